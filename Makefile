@@ -1,0 +1,52 @@
+# alfrl: make setup | make test | make train RECIPE=... | make eval CKPT=... | make bench | make data
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+ALFRL := $(VENV)/bin/alfrl
+RECIPE ?= recipes/tiny.yaml
+DATA_DIR ?= $(or $(ALFWORLD_DATA),$(HOME)/.cache/alfworld)
+ARCHIVE ?= $(ALFWORLD_ARCHIVE)
+TINY_MODEL ?= .cache/tiny-model
+TORCH_CPU ?= torch==2.13.0
+SPLIT ?= all
+OUT ?= runs/eval/$(notdir $(basename $(RECIPE)))$(if $(CKPT),-$(subst /,_,$(CKPT)),-base).jsonl
+export ALFWORLD_DATA := $(abspath $(DATA_DIR))
+
+.PHONY: setup test train eval bench data tiny-model clean
+
+setup: $(VENV)/.installed
+
+# On a machine without CUDA, install the CPU torch first so no multi-GB CUDA build is pulled in.
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	if ! command -v nvidia-smi >/dev/null 2>&1 && ! $(PY) -c "import torch" 2>/dev/null; then \
+		$(PY) -m pip install -q "$(TORCH_CPU)"; fi
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $@
+
+# The games: unpack ARCHIVE (json_2.1.1.tar.xz) if given, else run alfworld-download.
+data: setup
+	@if [ -d "$(DATA_DIR)/json_2.1.1" ]; then echo "ALFWorld games already in $(DATA_DIR)"; \
+	elif [ -n "$(ARCHIVE)" ]; then $(ALFRL) data prepare --data-dir "$(DATA_DIR)" --archive "$(ARCHIVE)"; \
+	else $(ALFRL) data prepare --data-dir "$(DATA_DIR)" --download; fi
+
+tiny-model: setup
+	@test -f $(TINY_MODEL)/config.json || $(ALFRL) tiny-model $(TINY_MODEL)
+
+test: setup data tiny-model
+	ALFRL_TINY_MODEL=$(abspath $(TINY_MODEL)) $(PY) -m pytest -q -rs $(PYTEST_ARGS)
+
+train: setup data tiny-model
+	$(ALFRL) fit --config $(RECIPE) $(ARGS)
+
+# make eval [RECIPE=...] [CKPT=runs/x/checkpoints/last] [SPLIT=all] [LIMIT=N] [OUT=file.jsonl]
+eval: setup data tiny-model
+	$(ALFRL) eval --config $(RECIPE) $(if $(CKPT),--adapter $(CKPT)) --split $(SPLIT) \
+		$(if $(LIMIT),--limit-per-split $(LIMIT)) --out $(OUT) $(ARGS)
+
+bench: setup data
+	$(PY) bench/env_throughput.py --out bench/out/env_throughput.json
+
+clean:
+	rm -rf runs lightning_logs .pytest_cache

@@ -1,0 +1,215 @@
+"""Advantages per turn, computed within each group of K trajectories, and the training samples.
+
+Estimators (``AdvantageConfig.estimator``):
+
+- ``grpo_mean`` (the reference): A = R - mean of the group's rewards, on every turn.
+- ``grpo_std``: (R - mean) / (population std + eps).
+- ``gigpo``: episode advantage (the group's rewards normalised with ``norm``) plus ``step_weight`` x
+  step advantage, where the steps of the group that stand in the same environment state (same
+  observation and admissible actions) form an anchor group and each step's discounted return is
+  normalised within it. A singleton anchor group gives a step advantage of 0.
+- ``hgpo``: hierarchical groups of steps keyed by the last k raw observations (k = 1 .. K+1, K the
+  history length); singleton groups are skipped, zero levels dropped, and the level advantages
+  are mixed with weights (k+1)^alpha. With ``base_group`` the episode advantage joins as k = 0.
+
+``norm``: ``mean_std_norm`` = (x - mean) / (population std + eps); ``mean_norm`` = x - mean.
+A group whose advantages are all exactly zero is degenerate; the reference drops such groups.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+
+from alfrl.rewards import RewardConfig, step_returns
+from alfrl.rollout import Trajectory, TrajectoryGroup
+
+ESTIMATORS = ("grpo_mean", "grpo_std", "gigpo", "hgpo")
+NORMS = ("mean_std_norm", "mean_norm")
+
+
+@dataclass(frozen=True)
+class AdvantageConfig:
+    """How advantages are computed from a group's rewards."""
+
+    estimator: str = "grpo_mean"
+    """``grpo_mean`` (the reference), ``grpo_std``, ``gigpo`` or ``hgpo``."""
+    norm: str = "mean_std_norm"
+    """Normalisation inside gigpo / hgpo groups: ``mean_std_norm`` or ``mean_norm``."""
+    eps: float = 1e-6
+    step_weight: float = 1.0
+    """gigpo: weight of the step advantage added to the episode advantage."""
+    hgpo_alpha: float = 1.0
+    """hgpo: level k weighs (k+1)^alpha (0 gives equal weights)."""
+    hgpo_base_group: bool = False
+    """hgpo: add the episode advantage as level k = 0."""
+    drop_degenerate_groups: bool = True
+    """Leave out of the training batch the groups whose advantages are all zero."""
+
+    def problems(self, prefix: str = "data.advantage") -> list[str]:
+        out = []
+        if self.estimator not in ESTIMATORS:
+            out.append(f"{prefix}.estimator={self.estimator!r} is not one of {', '.join(ESTIMATORS)}")
+        if self.norm not in NORMS:
+            out.append(f"{prefix}.norm={self.norm!r} is not one of {', '.join(NORMS)}")
+        if self.eps <= 0:
+            out.append(f"{prefix}.eps={self.eps} must be > 0")
+        return out
+
+
+def normalise(values: list[float], norm: str, eps: float) -> list[float]:
+    mean = sum(values) / len(values)
+    if norm == "mean_norm":
+        return [v - mean for v in values]
+    std = math.sqrt(sum((v - mean) ** 2 for v in values) / len(values))
+    return [(v - mean) / (std + eps) for v in values]
+
+
+def _episode_advantages(rewards: list[float], cfg: AdvantageConfig) -> list[float]:
+    if cfg.estimator == "grpo_mean":
+        return normalise(rewards, "mean_norm", cfg.eps)
+    if cfg.estimator == "grpo_std":
+        return normalise(rewards, "mean_std_norm", cfg.eps)
+    return normalise(rewards, cfg.norm, cfg.eps)
+
+
+def _returns(trajs: list[Trajectory], reward: RewardConfig) -> list[list[float]]:
+    out = []
+    for t in trajs:
+        won_at = len(t.turns) - 1 if t.won else None
+        out.append(step_returns(won_at, [turn.invalid for turn in t.turns], reward))
+    return out
+
+
+def _gigpo_step_advantages(trajs: list[Trajectory], returns: list[list[float]], cfg: AdvantageConfig) -> list[list[float]]:
+    members: dict[str, list[tuple[int, int]]] = defaultdict(list)
+    for i, t in enumerate(trajs):
+        for s, turn in enumerate(t.turns):
+            members[turn.state_key].append((i, s))
+    out = [[0.0] * len(t.turns) for t in trajs]
+    for steps in members.values():
+        values = normalise([returns[i][s] for i, s in steps], cfg.norm, cfg.eps)
+        for (i, s), v in zip(steps, values):
+            out[i][s] = v
+    return out
+
+
+def hgpo_step_advantages(
+    anchors: list[list[str]], returns: list[list[float]], cfg: AdvantageConfig, history_length: int, episode: list[float] | None = None
+) -> list[list[float]]:
+    """HGPO advantages from each trajectory's anchors (raw observations before acting) and step returns.
+
+    Level k of step t is the tuple of anchors t-k+1 .. t (levels that would start before step 0
+    do not exist). Steps sharing a level-k key form a level-k group; singletons are skipped; each
+    group's returns are normalised. A step's advantage mixes its non-zero level advantages with
+    weights (k+1)^alpha renormalised over those levels; ``episode`` (if given) joins as level 0.
+    """
+    max_level = history_length + 1
+    groups: dict[tuple[int, tuple[str, ...]], list[tuple[int, int]]] = defaultdict(list)
+    for i, seq in enumerate(anchors):
+        for t in range(len(seq)):
+            for k in range(1, min(max_level, t + 1) + 1):
+                groups[(k, tuple(seq[t - k + 1 : t + 1]))].append((i, t))
+    level_adv: dict[tuple[int, int], dict[int, float]] = defaultdict(dict)
+    for (k, _key), steps in groups.items():
+        if len(steps) < 2:
+            continue
+        for (i, t), a in zip(steps, normalise([returns[i][t] for i, t in steps], cfg.norm, cfg.eps)):
+            level_adv[(i, t)][k] = a
+    out = []
+    for i, seq in enumerate(anchors):
+        row = []
+        for t in range(len(seq)):
+            levels = dict(level_adv.get((i, t), {}))
+            if episode is not None:
+                levels[0] = episode[i]
+            levels = {k: a for k, a in levels.items() if a != 0.0}
+            if not levels:
+                row.append(0.0)
+                continue
+            weights = {k: (k + 1) ** cfg.hgpo_alpha for k in levels}
+            total = sum(weights.values())
+            row.append(sum(weights[k] / total * a for k, a in levels.items()))
+        out.append(row)
+    return out
+
+
+def group_advantages(trajs: list[Trajectory], cfg: AdvantageConfig, reward: RewardConfig, history_length: int = 2) -> list[list[float]]:
+    """Advantage of every turn of every trajectory of one group (trajectory-major).
+
+    ``history_length`` is K of the window context (hgpo levels run k = 1 .. K+1).
+    """
+    if not trajs:
+        return []
+    episode = _episode_advantages([t.reward for t in trajs], cfg)
+    if cfg.estimator in ("grpo_mean", "grpo_std"):
+        return [[episode[i]] * len(t.turns) for i, t in enumerate(trajs)]
+    returns = _returns(trajs, reward)
+    if cfg.estimator == "gigpo":
+        step = _gigpo_step_advantages(trajs, returns, cfg)
+        return [[episode[i] + cfg.step_weight * a for a in step[i]] for i in range(len(trajs))]
+    anchors = [[turn.observation_before for turn in t.turns] for t in trajs]
+    return hgpo_step_advantages(anchors, returns, cfg, history_length, episode if cfg.hgpo_base_group else None)
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One training sequence with its per-token advantages."""
+
+    token_ids: tuple[int, ...]
+    loss_mask: tuple[int, ...]
+    """1 on the tokens the model sampled (the only trained tokens)."""
+    sampler_logprobs: tuple[float, ...]
+    advantages: tuple[float, ...]
+    """Per token; the turn's advantage on its sampled tokens, 0 elsewhere."""
+    group: int
+    trajectory: int
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class AdvantageResult:
+    samples: list[Sample]
+    degenerate_groups: int
+    dropped_groups: int
+
+
+def make_samples(groups: list[TrajectoryGroup], cfg: AdvantageConfig, reward: RewardConfig, history_length: int = 2) -> AdvantageResult:
+    """Training samples of every playable group (degenerate groups dropped when configured).
+
+    Trajectories that ended with ``env_error`` are left out (the crash was not the policy's doing)
+    and the group's advantages use the others; a group with fewer than two left is skipped.
+    """
+    samples: list[Sample] = []
+    degenerate = dropped = 0
+    for g_index, group in enumerate(groups):
+        trajs = [t for t in group.trajectories if t.stop_reason != "env_error"]
+        if group.failed is not None or len(trajs) < 2:
+            continue
+        advantages = group_advantages(trajs, cfg, reward, history_length)
+        if all(a == 0.0 for row in advantages for a in row):
+            degenerate += 1
+            if cfg.drop_degenerate_groups:
+                dropped += 1
+                continue
+        for traj, turn_adv in zip(trajs, advantages):
+            for seq in traj.sequences:
+                if not seq.spans:
+                    continue
+                adv = [0.0] * len(seq.token_ids)
+                for turn, start, end in seq.spans:
+                    adv[start:end] = [turn_adv[turn]] * (end - start)
+                samples.append(
+                    Sample(
+                        token_ids=seq.token_ids,
+                        loss_mask=tuple(seq.assistant_mask),
+                        sampler_logprobs=seq.sampler_logprobs,
+                        advantages=tuple(adv),
+                        group=g_index,
+                        trajectory=traj.index,
+                    )
+                )
+    return AdvantageResult(samples, degenerate, dropped)

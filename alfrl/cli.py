@@ -1,0 +1,176 @@
+"""The ``alfrl`` command.
+
+    alfrl data prepare --data-dir DIR (--archive PATH | --download)
+    alfrl data summary [--data-dir DIR] [--json]
+    alfrl tiny-model DIR [--seed N]
+    alfrl play GAME [--walkthrough] [--format tool_call|action_tag] [--model DIR]
+    alfrl convert-gguf MODEL_DIR --gguf-file FILE --out DIR
+    alfrl fit --config RECIPE [--trainer.max_steps 1] [--model.lr 2e-6] [--ckpt_path DIR] [--print_config]
+    alfrl rollout --config RECIPE --games N --out FILE.jsonl [recipe overrides]
+    alfrl eval --config RECIPE [--adapter CKPT] [--split all] [--limit-per-split N] --out FILE.jsonl [--overwrite]
+    alfrl report A.jsonl B.jsonl [--names a b] --out DIR
+
+``fit`` is LightningCLI; ``rollout`` and ``eval`` read the same recipes (and overrides) through it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from alfrl.games import DataError
+
+
+def _data(argv: list[str]) -> int:
+    from alfrl import games
+
+    parser = argparse.ArgumentParser(prog="alfrl data", description="Prepare and inspect the ALFWorld games.")
+    sub = parser.add_subparsers(dest="action", required=True)
+    prep = sub.add_parser("prepare", help="unpack an archive or download the games")
+    prep.add_argument("--data-dir", default=None, help="target folder (default $ALFWORLD_DATA or ~/.cache/alfworld)")
+    source = prep.add_mutually_exclusive_group(required=True)
+    source.add_argument("--archive", help="path of json_2.1.1.tar.xz")
+    source.add_argument("--download", action="store_true", help="run alfworld-download (needs internet)")
+    summ = sub.add_parser("summary", help="games per split and task type")
+    summ.add_argument("--data-dir", default=None)
+    summ.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    if args.action == "prepare":
+        target = games.prepare_from_archive(args.data_dir, args.archive) if args.archive else games.prepare_by_download(args.data_dir)
+        found = games.discover_games(args.data_dir, games.available_splits(args.data_dir))
+        print(f"ALFWorld games ready in {target}: {len(found)} games")
+        return 0
+    splits = games.available_splits(args.data_dir)
+    if not splits:
+        raise DataError(f"no ALFWorld data in {games.resolve_data_dir(args.data_dir)}: " + games._how_to_prepare(games.resolve_data_dir(args.data_dir)))
+    summary = games.summarize(games.discover_games(args.data_dir, splits))
+    if args.json:
+        print(json.dumps(summary, indent=2))
+        return 0
+    print(f"{summary['total']} games in {games.resolve_data_dir(args.data_dir)}")
+    for split, n in summary["splits"].items():
+        print(f"  {split:<13} {n:>5}")
+        for task, m in summary["task_types"][split].items():
+            print(f"    {task:<32} {m:>5}")
+    return 0
+
+
+def _tiny_model(argv: list[str]) -> int:
+    from alfrl.tiny import write_tiny_model
+
+    parser = argparse.ArgumentParser(prog="alfrl tiny-model", description="Write the tiny random-weight test model.")
+    parser.add_argument("dir")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    out = write_tiny_model(args.dir, args.seed)
+    print(f"tiny model written to {out}")
+    return 0
+
+
+def _convert_gguf(argv: list[str]) -> int:
+    from alfrl.models import convert_gguf
+
+    parser = argparse.ArgumentParser(prog="alfrl convert-gguf", description="Write a GGUF model as a Hugging Face folder.")
+    parser.add_argument("model_dir", help="folder that holds the .gguf file")
+    parser.add_argument("--gguf-file", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--dtype", default="bfloat16")
+    args = parser.parse_args(argv)
+    print(f"written {convert_gguf(args.model_dir, args.gguf_file, args.out, args.dtype)}")
+    return 0
+
+
+def _play(argv: list[str]) -> int:
+    from alfrl.play import play
+
+    parser = argparse.ArgumentParser(prog="alfrl play", description="Play one game through the model's exact prompts.")
+    parser.add_argument("game", help="game id (split:task/trial), a unique part of it, or a path to its folder")
+    parser.add_argument("--data-dir", default=None)
+    parser.add_argument("--walkthrough", action="store_true", help="replay the expert actions")
+    parser.add_argument("--format", dest="action_format", default="tool_call", choices=["tool_call", "action_tag"])
+    parser.add_argument("--context", default="full", choices=["full", "window"])
+    parser.add_argument("--max-steps", type=int, default=50)
+    parser.add_argument("--model", default=None, help="tokenizer/template folder (default: the tiny model's tokenizer)")
+    args = parser.parse_args(argv)
+    traj = play(args.game, args.data_dir, args.walkthrough, args.action_format, args.context, args.max_steps, args.model)
+    return 0 if traj.stop_reason in ("won", "max_steps", "env_done") else 1
+
+
+def _split_own_args(argv: list[str], own: argparse.ArgumentParser) -> tuple[argparse.Namespace, list[str]]:
+    args, rest = own.parse_known_args(argv)
+    return args, rest
+
+
+def _rollout(argv: list[str]) -> int:
+    from alfrl.rollout import rollout_metrics, write_jsonl
+    from alfrl.recipe import load_recipe
+
+    own = argparse.ArgumentParser(prog="alfrl rollout", add_help=False)
+    own.add_argument("--games", type=int, default=4)
+    own.add_argument("--split", default=None, help="default: the recipe's train split")
+    own.add_argument("--out", required=True)
+    args, rest = _split_own_args(argv, own)
+    cli = load_recipe(rest)
+    dm, policy = cli.datamodule, cli.model
+    from alfrl.games import discover_games, shuffled
+
+    games = shuffled(discover_games(dm.data_dir, [args.split or dm.train_split]), dm.seed)[: args.games]
+    dm.connect(policy)
+    try:
+        groups = dm.runner.run(games, dm.group_size, dm.seed)
+    finally:
+        dm.close()
+    trajectories = [t for g in groups for t in g.trajectories]
+    write_jsonl(args.out, trajectories)
+    print(json.dumps(rollout_metrics(groups), indent=2))
+    print(f"{len(trajectories)} trajectories written to {args.out}")
+    return 0
+
+
+def _eval(argv: list[str]) -> int:
+    from alfrl.evaluate_cli import main as eval_main
+
+    return eval_main(argv)
+
+
+def _report(argv: list[str]) -> int:
+    from alfrl.report import main as report_main
+
+    return report_main(argv)
+
+
+COMMANDS = {
+    "data": _data,
+    "tiny-model": _tiny_model,
+    "convert-gguf": _convert_gguf,
+    "play": _play,
+    "rollout": _rollout,
+    "eval": _eval,
+    "report": _report,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0
+    command, rest = argv[0], argv[1:]
+    if command == "fit":
+        from alfrl.recipe import main_fit
+
+        main_fit(rest)
+        return 0
+    if command not in COMMANDS:
+        print(f"alfrl: unknown command {command!r}\n{__doc__}", file=sys.stderr)
+        return 2
+    try:
+        return COMMANDS[command](rest)
+    except DataError as e:
+        print(f"alfrl {command}: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,389 @@
+"""TextWorld environments in worker processes: a pool, and groups of K envs that share a start.
+
+TextWorld's parsers are module-level singletons and not thread-safe, so every environment lives in
+a worker process. Workers are fresh interpreters (``python -c``), never forks: forking after torch
+or vLLM started threads can hang, and ``multiprocessing``'s spawn would re-run the user's script.
+A worker hosts several environments and runs one command at a time; the pool keeps at most one
+command in flight per worker, so a step that hangs past ``step_timeout`` is caught. When a worker
+hangs or dies, the environment whose command was running is marked failed (its trajectory ends with
+``env_error``); the worker is restarted and every other environment it hosted is rebuilt by
+replaying its actions, which is exact because the games are deterministic.
+"""
+
+from __future__ import annotations
+
+import multiprocessing.connection as mpc
+import os
+import socket
+import subprocess
+import sys
+import time
+import traceback
+from collections import deque
+from dataclasses import dataclass, field
+
+from alfrl.games import Game
+
+HIDDEN_ACTIONS = ("help",)
+"""Legal commands never listed to the model."""
+
+
+def canonical_action(action: str) -> str:
+    """Lower case, single spaces, no surrounding white space."""
+    return " ".join(action.lower().split())
+
+
+@dataclass(frozen=True)
+class EnvState:
+    """What an environment reports after a reset or a step."""
+
+    observation: str
+    """TextWorld's feedback text, unchanged."""
+    admissible: tuple[str, ...]
+    """Every legal command in canonical form, sorted (``help`` included)."""
+    won: bool
+    done: bool
+
+    @property
+    def shown_actions(self) -> tuple[str, ...]:
+        """The admissible commands shown to the model (``help`` hidden)."""
+        return tuple(a for a in self.admissible if a not in HIDDEN_ACTIONS)
+
+
+@dataclass(frozen=True)
+class EnvFailure:
+    """An environment that hung, crashed or raised; its trajectory ends with ``env_error``."""
+
+    reason: str
+
+
+class GroupStartMismatch(RuntimeError):
+    """The K environments of a group did not start from the identical state."""
+
+
+# ---------------------------------------------------------------- worker process
+
+
+def _state_of(game_state, done: bool) -> tuple:
+    admissible = tuple(sorted({canonical_action(a) for a in game_state["admissible_commands"] or ()}))
+    won = bool(game_state["won"])
+    return (game_state.feedback, admissible, won, bool(done) or won)
+
+
+def _worker_main(fd: int) -> None:
+    """Serve environment commands on the socket ``fd`` until the parent closes it."""
+    import textworld
+    from alfworld.agents.environment.alfred_tw_env import AlfredDemangler, AlfredInfos
+
+    conn = mpc.Connection(fd)
+    infos = textworld.EnvInfos(won=True, admissible_commands=True, extras=["gamefile"])
+    envs: dict[int, object] = {}
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, KeyboardInterrupt):
+            break
+        op, env_id, arg = msg
+        if op == "shutdown":
+            break
+        try:
+            if op == "reset":
+                old = envs.pop(env_id, None)
+                if old is not None:
+                    old.close()
+                env = textworld.start(arg, infos, wrappers=[AlfredDemangler(), AlfredInfos])
+                envs[env_id] = env
+                conn.send(("ok", _state_of(env.reset(), False)))
+            elif op == "step":
+                game_state, _score, done = envs[env_id].step(arg)
+                conn.send(("ok", _state_of(game_state, done)))
+            elif op == "close":
+                env = envs.pop(env_id, None)
+                if env is not None:
+                    env.close()
+                conn.send(("ok", None))
+            elif op == "ping":
+                conn.send(("ok", os.getpid()))
+            else:
+                conn.send(("error", f"unknown op {op!r}"))
+        except Exception:  # reported to the parent; the worker keeps serving its other envs
+            conn.send(("error", traceback.format_exc(limit=4)))
+
+
+# ---------------------------------------------------------------- pool
+
+
+@dataclass
+class _Env:
+    path: str
+    worker: int
+    actions: list[str] = field(default_factory=list)
+    """Actions applied since the last reset (replayed when the worker is restarted)."""
+    failed: str | None = None
+
+
+@dataclass
+class _Worker:
+    process: subprocess.Popen
+    conn: mpc.Connection
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def stop(self, grace: float) -> None:
+        try:
+            self.process.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(timeout=10)
+        self.conn.close()
+
+
+@dataclass(frozen=True)
+class EnvOp:
+    """One command for the pool: reset an env, or step it with an action."""
+
+    env_id: int
+    kind: str  # "reset" | "step"
+    action: str | None = None
+
+
+class EnvPool:
+    """Worker processes that host TextWorld environments.
+
+    ``num_workers`` defaults to the CPU count. Use as a context manager, or call ``close()``:
+    closing stops every worker, so no child process outlives the pool.
+    """
+
+    def __init__(self, num_workers: int | None = None, step_timeout: float = 60.0, reset_timeout: float = 180.0):
+        self.num_workers = num_workers or os.cpu_count() or 1
+        self.step_timeout = step_timeout
+        self.reset_timeout = reset_timeout
+        self._workers: list[_Worker] = [self._start_worker() for _ in range(self.num_workers)]
+        self._envs: dict[int, _Env] = {}
+        self._next_id = 0
+        self.restarts = 0
+        """How many workers were restarted after a hang or crash."""
+
+    # -- lifecycle
+    def _start_worker(self) -> _Worker:
+        parent, child = socket.socketpair()
+        package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
+        process = subprocess.Popen(
+            [sys.executable, "-c", "import sys; from alfrl.envs import _worker_main; _worker_main(int(sys.argv[1]))", str(child.fileno())],
+            pass_fds=[child.fileno()],
+            stdin=subprocess.DEVNULL,
+            env=env,
+        )
+        child.close()
+        return _Worker(process, mpc.Connection(parent.detach()))
+
+    def worker_pids(self) -> list[int]:
+        return [w.process.pid for w in self._workers]
+
+    def worker_pid_of(self, env_id: int) -> int:
+        return self._workers[self._envs[env_id].worker].process.pid
+
+    def close(self) -> None:
+        for w in self._workers:
+            try:
+                w.conn.send(("shutdown", 0, None))
+            except (OSError, BrokenPipeError):
+                pass
+        for w in self._workers:
+            w.stop(grace=5)
+        self._workers = []
+        self._envs.clear()
+
+    def __enter__(self) -> EnvPool:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        if getattr(self, "_workers", None):
+            self.close()
+
+    # -- environments
+    def create(self, path: str) -> int:
+        """Register an environment for a game file on the least-loaded worker; it starts at ``reset``."""
+        load = [0] * self.num_workers
+        for env in self._envs.values():
+            load[env.worker] += 1
+        worker = min(range(self.num_workers), key=lambda i: load[i])
+        env_id = self._next_id
+        self._next_id += 1
+        self._envs[env_id] = _Env(path=path, worker=worker)
+        return env_id
+
+    def release(self, env_ids: list[int]) -> None:
+        """Close environments in their workers and forget them."""
+        ops_by_worker: dict[int, list[int]] = {}
+        for env_id in env_ids:
+            env = self._envs.pop(env_id, None)
+            if env is not None and env.failed is None:
+                ops_by_worker.setdefault(env.worker, []).append(env_id)
+        for worker, ids in ops_by_worker.items():
+            w = self._workers[worker]
+            for env_id in ids:
+                try:
+                    w.conn.send(("close", env_id, None))
+                    if w.conn.poll(self.step_timeout):
+                        w.conn.recv()
+                except (OSError, EOFError):
+                    break
+
+    def failure_of(self, env_id: int) -> str | None:
+        return self._envs[env_id].failed
+
+    # -- running commands
+    def run(self, ops: list[EnvOp]) -> list[EnvState | EnvFailure]:
+        """Run ``ops`` concurrently (in order per environment); one result per op, in op order."""
+        results: list[EnvState | EnvFailure | None] = [None] * len(ops)
+        queues: dict[int, deque[int]] = {}
+        for i, op in enumerate(ops):
+            env = self._envs[op.env_id]
+            if env.failed is not None:
+                results[i] = EnvFailure(env.failed)
+                continue
+            queues.setdefault(env.worker, deque()).append(i)
+        inflight: dict[int, tuple[int, float]] = {}
+        while queues or inflight:
+            for worker in list(queues):
+                if worker in inflight:
+                    continue
+                queue = queues[worker]
+                while queue and inflight.get(worker) is None:
+                    i = queue.popleft()
+                    op = ops[i]
+                    if self._envs[op.env_id].failed is not None:
+                        results[i] = EnvFailure(self._envs[op.env_id].failed)  # type: ignore[arg-type]
+                        continue
+                    timeout = self.reset_timeout if op.kind == "reset" else self.step_timeout
+                    try:
+                        self._workers[worker].conn.send((op.kind, op.env_id, self._envs[op.env_id].path if op.kind == "reset" else op.action))
+                        inflight[worker] = (i, time.monotonic() + timeout)
+                    except (OSError, BrokenPipeError):
+                        inflight[worker] = (i, 0.0)  # dead: handled below as a failure
+                if not queue:
+                    del queues[worker]
+            if not inflight:
+                continue
+            now = time.monotonic()
+            wait_for = max(0.0, min(deadline for _, deadline in inflight.values()) - now)
+            by_conn = {self._workers[w].conn: w for w in inflight}
+            ready = mpc.wait(list(by_conn), timeout=wait_for)
+            for conn in ready:
+                worker = by_conn[conn]
+                i, _ = inflight.pop(worker)
+                op = ops[i]
+                try:
+                    status, payload = conn.recv()
+                except (EOFError, OSError):
+                    results[i] = self._fail_and_restart(worker, op.env_id, "environment worker died")
+                    continue
+                if status == "ok":
+                    results[i] = self._record(op, payload)
+                else:
+                    self._envs[op.env_id].failed = f"environment raised: {payload.strip().splitlines()[-1]}"
+                    results[i] = EnvFailure(self._envs[op.env_id].failed)  # type: ignore[arg-type]
+            now = time.monotonic()
+            for worker, (i, deadline) in list(inflight.items()):
+                if deadline <= now:
+                    del inflight[worker]
+                    op = ops[i]
+                    alive = self._workers[worker].alive()
+                    reason = f"{op.kind} timed out after {self.reset_timeout if op.kind == 'reset' else self.step_timeout:.0f}s" if alive else "environment worker died"
+                    results[i] = self._fail_and_restart(worker, op.env_id, reason)
+        return results  # type: ignore[return-value]
+
+    def _record(self, op: EnvOp, payload: tuple) -> EnvState:
+        env = self._envs[op.env_id]
+        if op.kind == "reset":
+            env.actions = []
+        else:
+            env.actions.append(op.action)  # type: ignore[arg-type]
+        observation, admissible, won, done = payload
+        return EnvState(observation=observation, admissible=admissible, won=won, done=done)
+
+    def _fail_and_restart(self, worker: int, env_id: int, reason: str) -> EnvFailure:
+        """Mark ``env_id`` failed, restart ``worker`` and rebuild its other environments by replay."""
+        self._envs[env_id].failed = reason
+        old = self._workers[worker]
+        old.process.kill()
+        old.stop(grace=10)
+        self._workers[worker] = self._start_worker()
+        self.restarts += 1
+        conn = self._workers[worker].conn
+        for other_id, env in self._envs.items():
+            if env.worker != worker or env.failed is not None or other_id == env_id:
+                continue
+            if not self._replay(conn, other_id, env):
+                env.failed = f"could not rebuild after a worker restart ({reason})"
+        return EnvFailure(reason)
+
+    def _replay(self, conn: mpc.Connection, env_id: int, env: _Env) -> bool:
+        commands = [("reset", env.path)] + [("step", a) for a in env.actions]
+        for kind, arg in commands:
+            try:
+                conn.send((kind, env_id, arg))
+                if not conn.poll(self.reset_timeout if kind == "reset" else self.step_timeout):
+                    return False
+                status, _ = conn.recv()
+            except (OSError, EOFError):
+                return False
+            if status != "ok":
+                return False
+        return True
+
+
+# ---------------------------------------------------------------- groups
+
+
+def check_same_start(game_id: str, states: list[EnvState | EnvFailure]) -> None:
+    """Raise GroupStartMismatch unless every state equals the first (observation and actions)."""
+    first = states[0]
+    for i, state in enumerate(states):
+        if isinstance(state, EnvFailure):
+            raise GroupStartMismatch(f"game {game_id}: environment {i} of the group failed to start: {state.reason}")
+        if state != first:
+            what = "observation" if state.observation != first.observation else "admissible actions"  # type: ignore[union-attr]
+            raise GroupStartMismatch(
+                f"game {game_id}: environment {i} of the group started with a different {what} than environment 0; "
+                "the K environments of a group must start from the identical state"
+            )
+
+
+class EnvGroup:
+    """K independent environments of one game that must start from the identical state."""
+
+    def __init__(self, pool: EnvPool, game: Game, env_ids: list[int]):
+        self.pool = pool
+        self.game = game
+        self.env_ids = list(env_ids)
+
+    @classmethod
+    def create(cls, pool: EnvPool, game: Game, size: int) -> EnvGroup:
+        return cls(pool, game, [pool.create(game.path) for _ in range(size)])
+
+    def __len__(self) -> int:
+        return len(self.env_ids)
+
+    def reset_ops(self) -> list[EnvOp]:
+        return [EnvOp(env_id, "reset") for env_id in self.env_ids]
+
+    def reset(self) -> list[EnvState]:
+        states = self.pool.run(self.reset_ops())
+        check_same_start(self.game.id, states)
+        return states  # type: ignore[return-value]
+
+    def step(self, actions: list[str | None]) -> list[EnvState | EnvFailure | None]:
+        """Step env i with ``actions[i]``; None leaves env i untouched and gives None."""
+        ops = [EnvOp(env_id, "step", a) for env_id, a in zip(self.env_ids, actions) if a is not None]
+        results = iter(self.pool.run(ops))
+        return [next(results) if a is not None else None for a in actions]
+
+    def close(self) -> None:
+        self.pool.release(self.env_ids)

@@ -1,0 +1,247 @@
+"""Evaluation: one trajectory per game on the standard games, written to JSONL and summarised.
+
+The reference protocol: valid_seen (140) + valid_unseen (134) = 274 games in sorted order,
+temperature 0.01, top_p 1.0, seed 42, 50 steps, 12,000 trajectory tokens, with the same prompts
+and tool protocol as training. Games are played in fixed chunks of the sorted list and each chunk's
+records are appended when it finishes, so an interrupted evaluation resumes by skipping the
+finished chunks and gives the same results as an uninterrupted one (each chunk is played exactly
+as it would have been). The output starts with a header that records the configuration; a
+different configuration on an existing file is refused unless ``overwrite``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from alfrl.games import EVAL_SPLITS, SPLITS, Game, discover_games
+from alfrl.rollout import RolloutConfig, RolloutRunner, Trajectory
+
+
+class EvalError(RuntimeError):
+    """An evaluation cannot start or resume; the message says why."""
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """The evaluation protocol (defaults: the reference's)."""
+
+    splits: tuple[str, ...] = EVAL_SPLITS
+    limit_per_split: int | None = None
+    """Evaluate only the first N games (sorted) of each split."""
+    temperature: float = 0.01
+    top_p: float = 1.0
+    seed: int = 42
+    max_episode_steps: int = 50
+    max_trajectory_tokens: int = 12000
+    max_assistant_tokens: int = 2048
+    games_per_chunk: int = 64
+    """Games played together; results are written chunk by chunk."""
+
+    def problems(self, prefix: str = "data.eval") -> list[str]:
+        out = []
+        for s in self.splits:
+            if s not in SPLITS:
+                out.append(f"{prefix}.splits has {s!r}: choose from {', '.join(SPLITS)}")
+        if self.limit_per_split is not None and self.limit_per_split < 1:
+            out.append(f"{prefix}.limit_per_split={self.limit_per_split} must be >= 1 (or null for all games)")
+        if self.temperature < 0:
+            out.append(f"{prefix}.temperature={self.temperature} must be >= 0")
+        for name in ("max_episode_steps", "max_trajectory_tokens", "max_assistant_tokens", "games_per_chunk"):
+            if getattr(self, name) < 1:
+                out.append(f"{prefix}.{name}={getattr(self, name)} must be >= 1")
+        return out
+
+    def rollout_config(self, training: RolloutConfig) -> RolloutConfig:
+        """The training rollout settings (format, context) with this protocol's sampling and limits."""
+        return dataclasses.replace(
+            training,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            max_episode_steps=self.max_episode_steps,
+            max_trajectory_tokens=self.max_trajectory_tokens,
+            max_assistant_tokens=self.max_assistant_tokens,
+        )
+
+
+def eval_games(data_dir: str | None, splits: tuple[str, ...] | list[str], limit_per_split: int | None) -> list[Game]:
+    games: list[Game] = []
+    for split in splits:
+        found = discover_games(data_dir, [split])
+        games.extend(found[:limit_per_split] if limit_per_split else found)
+    return games
+
+
+def game_record(t: Trajectory) -> dict:
+    """The JSONL record of one evaluated game (turns included, token ids left out)."""
+    return {
+        "type": "game",
+        "game_id": t.game_id,
+        "split": t.split,
+        "task_type": t.task_type,
+        "task": t.task,
+        "won": t.won,
+        "steps": t.steps,
+        "invalid_actions": t.invalid_actions,
+        "stop_reason": t.stop_reason,
+        "reward": t.reward,
+        "turns": [dataclasses.asdict(turn) for turn in t.turns],
+    }
+
+
+# ------------------------------------------------------------------ summary
+
+
+def _rate(num: float, den: float) -> float:
+    return num / den if den else 0.0
+
+
+def _block(records: list[dict]) -> dict:
+    n = len(records)
+    turns = [turn for r in records for turn in r["turns"]]
+    return {
+        "games": n,
+        "wins": sum(bool(r["won"]) for r in records),
+        "success_rate": _rate(sum(bool(r["won"]) for r in records), n),
+        "mean_reward": _rate(sum(r["reward"] for r in records), n),
+        "mean_steps": _rate(sum(r["steps"] for r in records), n),
+        "mean_invalid_actions": _rate(sum(r["invalid_actions"] for r in records), n),
+        "valid_format_rate": _rate(sum(bool(t["valid_format"]) for t in turns), len(turns)),
+        "admissible_rate": _rate(sum(bool(t["admissible"]) for t in turns), len(turns)),
+    }
+
+
+def summarize(records: list[dict]) -> dict:
+    """Per split and overall (all games pooled) figures, and success per task type per split."""
+    games = [r for r in records if r.get("type", "game") == "game"]
+    by_split: dict[str, list[dict]] = defaultdict(list)
+    for r in games:
+        by_split[r["split"]].append(r)
+    task_success: dict[str, dict[str, dict]] = {}
+    for split, rs in sorted(by_split.items()):
+        per_task: dict[str, list[dict]] = defaultdict(list)
+        for r in rs:
+            per_task[r["task_type"]].append(r)
+        task_success[split] = {
+            task: {"games": len(v), "wins": sum(bool(r["won"]) for r in v), "success_rate": _rate(sum(bool(r["won"]) for r in v), len(v))}
+            for task, v in sorted(per_task.items())
+        }
+    return {
+        "type": "summary",
+        "overall": _block(games),
+        "splits": {split: _block(rs) for split, rs in sorted(by_split.items())},
+        "task_types": task_success,
+    }
+
+
+def format_summary(summary: dict) -> str:
+    lines = [f"{'split':<14}{'games':>6}{'wins':>6}{'success':>9}{'reward':>8}{'steps':>7}{'invalid':>9}{'valid fmt':>10}{'admiss.':>9}"]
+    rows = list(summary["splits"].items()) + [("overall", summary["overall"])]
+    for name, b in rows:
+        lines.append(
+            f"{name:<14}{b['games']:>6}{b['wins']:>6}{b['success_rate']:>9.2%}{b['mean_reward']:>8.3f}{b['mean_steps']:>7.1f}"
+            f"{b['mean_invalid_actions']:>9.2f}{b['valid_format_rate']:>10.2%}{b['admissible_rate']:>9.2%}"
+        )
+    lines.append("")
+    lines.append("success per task type:")
+    for split, tasks in summary["task_types"].items():
+        for task, v in tasks.items():
+            lines.append(f"  {split:<13} {task:<32} {v['wins']:>3}/{v['games']:<3} {v['success_rate']:.2%}")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------ running
+
+
+def config_hash(config: dict) -> str:
+    return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _read_existing(path: Path) -> tuple[dict | None, list[dict]]:
+    """(header, game records) of an existing output; a torn last line (interrupted write) is dropped."""
+    header, games = None, []
+    with open(path) as f:
+        lines = f.readlines()
+    for line in lines:
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            break
+        if rec.get("type") == "header":
+            header = rec
+        elif rec.get("type") == "game":
+            games.append(rec)
+    return header, games
+
+
+def run_eval(
+    runner: RolloutRunner,
+    games: list[Game],
+    cfg: EvalConfig,
+    out: str | Path,
+    config: dict,
+    overwrite: bool = False,
+    on_chunk: Callable[[int, int], None] | None = None,
+) -> dict:
+    """Play ``games`` (one trajectory each) into ``out`` and return the summary (also written last).
+
+    ``config`` describes the run (model, adapter, protocol) and is stored in the header; resuming
+    needs the same config. ``on_chunk(done, total)`` is called after each chunk.
+    """
+    out = Path(out)
+    header = {"type": "header", "config": config, "config_hash": config_hash(config), "games": [g.id for g in games]}
+    done: dict[str, dict] = {}
+    if out.exists() and not overwrite:
+        old_header, records = _read_existing(out)
+        if old_header is not None and old_header.get("config_hash") != header["config_hash"]:
+            raise EvalError(
+                f"{out} holds an evaluation with a different configuration ({old_header.get('config')}); "
+                "pass --overwrite to replace it or choose another --out"
+            )
+        if old_header is not None:
+            done = {r["game_id"]: r for r in records}
+    chunks = [games[i : i + cfg.games_per_chunk] for i in range(0, len(games), cfg.games_per_chunk)]
+    kept = [done[g.id] for chunk in chunks if all(g.id in done for g in chunk) for g in chunk]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(out.suffix + ".tmp")
+    with open(tmp, "w") as f:  # rewrite header + whole finished chunks, then append as we go
+        f.write(json.dumps(header) + "\n")
+        for rec in kept:
+            f.write(json.dumps(rec) + "\n")
+    os.replace(tmp, out)
+    records = list(kept)
+    finished = {r["game_id"] for r in kept}
+    with open(out, "a") as f:
+        for chunk in chunks:
+            if all(g.id in finished for g in chunk):
+                continue
+            groups = runner.run(chunk, group_size=1, seed=cfg.seed)
+            lines = []
+            for group in groups:
+                if group.failed is not None:
+                    raise EvalError(f"game {group.game.id} could not be played: {group.failed}")
+                rec = game_record(group.trajectories[0])
+                records.append(rec)
+                lines.append(json.dumps(rec) + "\n")
+            f.write("".join(lines))
+            f.flush()
+            os.fsync(f.fileno())
+            if on_chunk:
+                on_chunk(len(records), len(games))
+        summary = summarize(records)
+        f.write(json.dumps(summary) + "\n")
+    return summary
+
+
+def read_results(path: str | Path) -> tuple[dict | None, list[dict], dict]:
+    """(header, game records, summary) of an ``alfrl eval`` output; the summary is recomputed from the records."""
+    header, games = _read_existing(Path(path))
+    if not games:
+        raise EvalError(f"{path} holds no evaluated games: is it an `alfrl eval` output?")
+    return header, games, summarize(games)

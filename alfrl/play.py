@@ -1,0 +1,118 @@
+"""``alfrl play``: a person (or the expert walkthrough) plays one game through the model's protocol.
+
+The game runs through the same RolloutRunner, chat template and token machinery as training; the
+"engine" here is the console: it prints every new piece of the prompt exactly as the model would
+receive it (decoded from the prompt's token ids) and turns the typed action into a well-formed
+completion. With ``--walkthrough`` the expert actions are typed for you.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterable
+
+from alfrl import protocol
+from alfrl.chat import ChatFormat, chat_format
+from alfrl.engines import Completion, EngineCounters, SamplingRequest
+from alfrl.envs import EnvPool
+from alfrl.games import find_game
+from alfrl.rewards import RewardConfig
+from alfrl.rollout import RolloutConfig, RolloutRunner, Trajectory
+
+
+class ConsoleEngine:
+    """Shows each prompt's new tokens as text and answers with an action from ``next_action``."""
+
+    name = "console"
+
+    def __init__(self, fmt: ChatFormat, next_action: Callable[[], str], out=sys.stdout):
+        self.fmt = fmt
+        self.next_action = next_action
+        self.out = out
+        self.shown = 0
+        self.last_prompt: list[int] = []
+
+    def generate(self, requests: list[SamplingRequest]) -> list[list[Completion]]:
+        results = []
+        for r in requests:
+            prompt = list(r.prompt_ids)
+            new = prompt[self.shown :] if prompt[: self.shown] == self.last_prompt[: self.shown] else prompt
+            self.out.write(self.fmt.tokenizer.decode(new, skip_special_tokens=False))
+            self.out.flush()
+            action = self.next_action()
+            text = protocol.format_action(action, self.fmt.action_format)
+            ids = self.fmt.encode(text) + [self.fmt.end_of_turn_id]
+            self.out.write(text + self.fmt.end_of_turn_text)
+            self.shown = len(prompt) + len(ids)
+            self.last_prompt = prompt + ids
+            results.append([Completion(tuple(ids), tuple([0.0] * len(ids)), "stop") for _ in range(r.n)])
+        return results
+
+    def score(self, sequences):
+        raise NotImplementedError("the console engine does not score")
+
+    def update_weights(self, named_tensors: Iterable) -> None:
+        pass
+
+    def counters(self) -> EngineCounters:
+        return EngineCounters()
+
+    def sleep(self) -> None:
+        pass
+
+    def wake_up(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _tokenizer(model: str | None):
+    if model:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(model)
+    from alfrl.tiny import build_tokenizer
+
+    return build_tokenizer()
+
+
+def play(
+    game: str,
+    data_dir: str | None = None,
+    walkthrough: bool = False,
+    action_format: str = "tool_call",
+    context: str = "full",
+    max_steps: int = 50,
+    model: str | None = None,
+    out=sys.stdout,
+    read: Callable[[], str] | None = None,
+) -> Trajectory:
+    """Play ``game``; returns its trajectory after printing the outcome."""
+    g = find_game(data_dir, game)
+    fmt = chat_format(_tokenizer(model), action_format)
+    if walkthrough:
+        actions = iter(g.walkthrough())
+
+        def next_action() -> str:
+            try:
+                return next(actions)
+            except StopIteration:
+                return "look"
+    else:
+        reader = read or (lambda: input("\n> "))
+
+        def next_action() -> str:
+            return reader().strip() or "look"
+
+    cfg = RolloutConfig(action_format=action_format, context=context, max_episode_steps=max_steps, max_trajectory_tokens=10**9, max_assistant_tokens=512)
+    with EnvPool(num_workers=1) as pool:
+        runner = RolloutRunner(ConsoleEngine(fmt, next_action, out), pool, fmt, cfg, RewardConfig())
+        traj = runner.run([g], group_size=1, seed=0)[0].trajectories[0]
+    last = traj.turns[-1] if traj.turns else None
+    out.write("\n\n")
+    if last is not None:
+        out.write(f"[{last.status}] {last.observation}\n")
+    out.write(f"game {g.id}: stop reason {traj.stop_reason}, won {traj.won}, {traj.steps} steps, "
+              f"{traj.invalid_actions} invalid actions, reward {traj.reward:.2f}\n")
+    return traj

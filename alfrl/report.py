@@ -1,0 +1,151 @@
+"""``alfrl report``: runs side by side, from what ``alfrl eval`` wrote and nothing else.
+
+Writes ``report.md`` (seen / unseen / overall success, wins, mean reward, invalid actions, and
+per-task-type success with the change from the first run) and three PNG charts: success by split,
+success by task type, invalid actions per episode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from alfrl.evaluation import read_results
+from alfrl.games import TASK_TYPES
+
+SPLIT_COLUMNS = ("valid_seen", "valid_unseen")
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.2f}%"
+
+
+def _delta(x: float | None, base: float | None) -> str:
+    if x is None or base is None:
+        return ""
+    d = 100 * (x - base)
+    return f" ({'+' if d >= 0 else ''}{d:.2f})"
+
+
+def load_runs(paths: list[str], names: list[str] | None) -> list[tuple[str, dict]]:
+    if names and len(names) != len(paths):
+        raise SystemExit(f"alfrl report: {len(names)} names for {len(paths)} result files: give one name per file")
+    runs = []
+    for i, path in enumerate(paths):
+        _header, _games, summary = read_results(path)
+        runs.append((names[i] if names else Path(path).stem, summary))
+    return runs
+
+
+def _task_rate(summary: dict, task: str, split: str | None) -> float | None:
+    if split is not None:
+        v = summary["task_types"].get(split, {}).get(task)
+        return v["success_rate"] if v else None
+    games = wins = 0
+    for per_task in summary["task_types"].values():
+        if task in per_task:
+            games += per_task[task]["games"]
+            wins += per_task[task]["wins"]
+    return wins / games if games else None
+
+
+def markdown(runs: list[tuple[str, dict]]) -> str:
+    base = runs[0][1]
+    lines = ["# alfrl evaluation report", "", "## Success", ""]
+    lines.append("| run | seen | unseen | overall | wins | mean reward | invalid actions / episode | valid format | admissible |")
+    lines.append("|---|---|---|---|---|---|---|---|---|")
+    for name, s in runs:
+        cells = []
+        for split in SPLIT_COLUMNS:
+            block = s["splits"].get(split)
+            b0 = base["splits"].get(split)
+            cells.append(_pct(block and block["success_rate"]) + (_delta(block["success_rate"], b0 and b0["success_rate"]) if block and s is not base else ""))
+        o, o0 = s["overall"], base["overall"]
+        cells.append(_pct(o["success_rate"]) + (_delta(o["success_rate"], o0["success_rate"]) if s is not base else ""))
+        cells += [f"{o['wins']}/{o['games']}", f"{o['mean_reward']:.3f}", f"{o['mean_invalid_actions']:.2f}", _pct(o["valid_format_rate"]), _pct(o["admissible_rate"])]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines += ["", f"Changes in parentheses are percentage points against {runs[0][0]}.", "", "## Success per task type (all splits)", ""]
+    lines.append("| task type | " + " | ".join(name for name, _ in runs) + " |")
+    lines.append("|---|" + "---|" * len(runs))
+    for task in TASK_TYPES:
+        b = _task_rate(base, task, None)
+        row = [_pct(_task_rate(s, task, None)) + (_delta(_task_rate(s, task, None), b) if s is not base else "") for _, s in runs]
+        lines.append(f"| {task} | " + " | ".join(row) + " |")
+    for split in SPLIT_COLUMNS:
+        if not any(split in s["task_types"] for _, s in runs):
+            continue
+        lines += ["", f"### {split}", "", "| task type | " + " | ".join(name for name, _ in runs) + " |", "|---|" + "---|" * len(runs)]
+        for task in TASK_TYPES:
+            b = _task_rate(base, task, split)
+            row = [_pct(_task_rate(s, task, split)) + (_delta(_task_rate(s, task, split), b) if s is not base else "") for _, s in runs]
+            lines.append(f"| {task} | " + " | ".join(row) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def charts(runs: list[tuple[str, dict]], out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    names = [n for n, _ in runs]
+    width = 0.8 / len(runs)
+    files = []
+
+    def bars(ax, groups: list[str], values: list[list[float]], ylabel: str, percent: bool):
+        x = np.arange(len(groups))
+        for i, (name, vals) in enumerate(zip(names, values)):
+            ax.bar(x + (i - (len(runs) - 1) / 2) * width, [100 * v if percent else v for v in vals], width, label=name)
+        ax.set_xticks(x, groups, rotation=20 if len(groups) > 3 else 0, ha="right" if len(groups) > 3 else "center")
+        ax.set_ylabel(ylabel)
+        ax.legend()
+        ax.grid(axis="y", alpha=0.3)
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    groups = ["valid_seen", "valid_unseen", "overall"]
+    values = [[(s["splits"].get(g) or {"success_rate": 0.0})["success_rate"] if g != "overall" else s["overall"]["success_rate"] for g in groups] for _, s in runs]
+    bars(ax, groups, values, "success rate (%)", True)
+    ax.set_title("Success by split")
+    fig.tight_layout()
+    files.append(out / "success_by_split.png")
+    fig.savefig(files[-1], dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    short = [t.replace("_then_place_in_recep", "").replace("_and_place", "").replace("pick_", "") for t in TASK_TYPES]
+    values = [[_task_rate(s, t, None) or 0.0 for t in TASK_TYPES] for _, s in runs]
+    bars(ax, short, values, "success rate (%)", True)
+    ax.set_title("Success by task type (all splits)")
+    fig.tight_layout()
+    files.append(out / "success_by_task.png")
+    fig.savefig(files[-1], dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    values = [[(s["splits"].get(g) or {"mean_invalid_actions": 0.0})["mean_invalid_actions"] if g != "overall" else s["overall"]["mean_invalid_actions"] for g in groups] for _, s in runs]
+    bars(ax, groups, values, "invalid actions per episode", False)
+    ax.set_title("Invalid actions")
+    fig.tight_layout()
+    files.append(out / "invalid_actions.png")
+    fig.savefig(files[-1], dpi=120)
+    plt.close(fig)
+    return files
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="alfrl report", description="Compare alfrl eval results side by side.")
+    parser.add_argument("results", nargs="+", help="alfrl eval output files (.jsonl); the first is the baseline")
+    parser.add_argument("--names", nargs="+", default=None)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    runs = load_runs(args.results, args.names)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.md").write_text(markdown(runs))
+    (out / "summaries.json").write_text(json.dumps({name: s for name, s in runs}, indent=2))
+    files = charts(runs, out)
+    print(markdown(runs))
+    print("written: " + ", ".join(str(p) for p in [out / "report.md", out / "summaries.json", *files]))
+    return 0

@@ -1,0 +1,31 @@
+"""Every N steps, evaluate the current policy on a subset of the evaluation games and log it."""
+
+from __future__ import annotations
+
+import lightning as L
+
+
+class PeriodicEval(L.Callback):
+    """Runs the evaluation protocol of ``data.eval`` on the first ``limit_per_split`` games of each split."""
+
+    def __init__(self, every_n_steps: int = 0, limit_per_split: int | None = 10):
+        """
+        Args:
+            every_n_steps: evaluate after every N training steps (0 turns it off).
+            limit_per_split: games per split (sorted order); null for all of them.
+        """
+        if every_n_steps < 0:
+            raise ValueError(f"periodic_eval.every_n_steps={every_n_steps} must be >= 0 (0 turns it off)")
+        self.every_n_steps = every_n_steps
+        self.limit_per_split = limit_per_split
+        self.last: dict | None = None
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        if not self.every_n_steps or trainer.global_step % self.every_n_steps:
+            return
+        summary = trainer.datamodule.evaluate_in_memory(self.limit_per_split)
+        self.last = summary
+        metrics = {f"eval/{k}": float(v) for k, v in summary["overall"].items()}
+        for split, block in summary["splits"].items():
+            metrics[f"eval/{split}/success_rate"] = float(block["success_rate"])
+        pl_module.log_dict(metrics, on_step=True, batch_size=1, rank_zero_only=False)
