@@ -9,7 +9,9 @@ ARCHIVE ?= $(ALFWORLD_ARCHIVE)
 TINY_MODEL ?= .cache/tiny-model
 TORCH_CPU ?= torch==2.13.0
 SPLIT ?= all
-OUT ?= runs/eval/$(notdir $(basename $(RECIPE)))$(if $(CKPT),-$(subst /,_,$(CKPT)),-base).jsonl
+# `make eval` uses recipes/eval.yaml (the reference protocol) unless RECIPE is given
+EVAL_RECIPE := $(if $(filter command line environment,$(origin RECIPE)),$(RECIPE),recipes/eval.yaml)
+OUT ?= runs/eval/$(notdir $(basename $(EVAL_RECIPE)))$(if $(CKPT),-$(subst /,_,$(CKPT)),-base).jsonl
 export ALFWORLD_DATA := $(abspath $(DATA_DIR))
 
 .PHONY: setup test train eval bench data tiny-model clean
@@ -42,7 +44,7 @@ train: setup data tiny-model
 
 # make eval [RECIPE=...] [CKPT=runs/x/checkpoints/last] [SPLIT=all] [LIMIT=N] [OUT=file.jsonl]
 eval: setup data tiny-model
-	$(ALFRL) eval --config $(RECIPE) $(if $(CKPT),--adapter $(CKPT)) --split $(SPLIT) \
+	$(ALFRL) eval --config $(EVAL_RECIPE) $(if $(CKPT),--adapter $(CKPT)) --split $(SPLIT) \
 		$(if $(LIMIT),--limit-per-split $(LIMIT)) --out $(OUT) $(ARGS)
 
 bench: setup data

@@ -342,11 +342,17 @@ class AlfrlPolicy(L.LightningModule):
         self.log_dict({k: metrics[k] for k in shown if k in metrics}, on_step=True, prog_bar=True, batch_size=1)
         return None
 
-    def update(self, samples) -> dict[str, float]:
-        """PPO-clip epochs over ``samples``; returns the step's statistics."""
+    def update(self, samples, optimizer: torch.optim.Optimizer | None = None) -> dict[str, float]:
+        """PPO-clip epochs over ``samples``; returns the step's statistics.
+
+        Inside a Lightning run the optimizer is the trainer's; ``optimizer`` lets tests and
+        benchmarks run one update without a Trainer.
+        """
         hp = self.hparams
-        optimizer = self.optimizers()
-        world = self.trainer.world_size if self._trainer is not None else 1
+        attached = self._trainer is not None
+        lightning_optimizer = self.optimizers() if optimizer is None else None
+        raw_optimizer = lightning_optimizer.optimizer if lightning_optimizer is not None else optimizer
+        world = self.trainer.world_size if attached else 1
         sampler_lp = [self._selected(samples, [i], "sampler_logprobs").to(self.device) for i in range(len(samples))]
         old = self.old_logprobs(samples)
         trained_tokens = sum(int(o.numel()) for o in old)
@@ -372,7 +378,7 @@ class AlfrlPolicy(L.LightningModule):
                     if hp.tis_cap is not None:
                         is_w = truncated_is_weights(old_mb, torch.cat([sampler_lp[i] for i in members]), hp.tis_cap)
                     loss, st = ppo_clip_loss(logprobs, old_mb, adv, weights, hp.clip_low, hp.clip_high, is_w)
-                    self.manual_backward(loss)
+                    self._backward(loss)
                     tot["loss"] += float(loss.detach())
                     tot["tokens"] += st.tokens
                     tot["clipped"] += st.clipped
@@ -385,11 +391,11 @@ class AlfrlPolicy(L.LightningModule):
                 tot["grad_norm"] += self._clip_gradients()
                 # the last optimizer step of a training step goes through Lightning so that
                 # global_step counts rollout+update steps; the others step the optimizer directly
-                if tot["steps"] == n_optimizer_steps:
-                    optimizer.step()
+                if lightning_optimizer is not None and tot["steps"] == n_optimizer_steps:
+                    lightning_optimizer.step()
                 else:
-                    optimizer.optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
+                    raw_optimizer.step()
+                raw_optimizer.zero_grad(set_to_none=True)
         n = max(tot["tokens"], 1)
         all_diffs = torch.cat(diffs) if diffs else torch.zeros(0)
         return {
@@ -418,9 +424,15 @@ class AlfrlPolicy(L.LightningModule):
         counts = self.trainer.strategy.reduce(counts, reduce_op="sum")
         return max(float(counts[0]), 1.0) / world, max(float(counts[1]), 1.0) / world
 
+    def _backward(self, loss: torch.Tensor) -> None:
+        if self._trainer is not None:
+            self.manual_backward(loss)
+        else:
+            loss.backward()
+
     def _touch_all_parameters(self) -> None:
         """A zero loss over every trainable parameter, for a rank with no samples, so DDP's all-reduce still meets."""
-        self.manual_backward(sum(p.sum() * 0.0 for p in self.trainable_parameters()))
+        self._backward(sum(p.sum() * 0.0 for p in self.trainable_parameters()))
 
     def _clip_gradients(self) -> float:
         params = [p for p in self.trainable_parameters() if p.grad is not None]

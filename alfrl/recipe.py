@@ -152,23 +152,60 @@ class AlfrlCLI(LightningCLI):
             problems = recipe_problems(cfg, check_data=self.check_data)
             if problems:
                 raise RecipeError(problems)
-        if self.subcommand == "fit" and cfg.get("ckpt_path"):
-            from callbacks.checkpointing import resolve_ckpt_path
 
-            try:
-                cfg.ckpt_path = resolve_ckpt_path(cfg.ckpt_path)
-            except FileNotFoundError as e:
-                raise RecipeError([f"--ckpt_path: {e}"]) from None
+    def _parse_ckpt_path(self) -> None:
+        """Resolve ``--ckpt_path`` (a step folder, ``.../last`` or ``trainer.ckpt``).
+
+        Unlike plain LightningCLI, the checkpoint's hyperparameters do not overwrite the recipe:
+        the recipe (with its overrides) stays the one source of settings, and loading checks that
+        the checkpoint's LoRA weights fit the model it describes.
+        """
+        if self.config.get("subcommand") != "fit" or not self.config.fit.get("ckpt_path"):
+            return
+        from callbacks.checkpointing import resolve_ckpt_path
+
+        try:
+            self.config.fit.ckpt_path = resolve_ckpt_path(self.config.fit.ckpt_path)
+        except FileNotFoundError as e:
+            raise RecipeError([f"--ckpt_path: {e}"]) from None
+
+
+class _Parsed(Exception):
+    def __init__(self, config: Namespace):
+        self.config = config
+
+
+class _ParseOnly(AlfrlCLI):
+    def before_instantiate_classes(self) -> None:
+        raise _Parsed(self.config)
+
+
+def _with_argv(args: list[str], make):
+    """LightningCLI warns when both sys.argv and args are given; show it only ``args``."""
+    saved = sys.argv
+    sys.argv = [saved[0], *args]
+    try:
+        return make()
+    finally:
+        sys.argv = saved
+
+
+def parse_recipe(args: list[str]) -> Namespace:
+    """The resolved configuration of a recipe plus overrides, without checks or instantiation."""
+    try:
+        _with_argv(list(args), lambda: _ParseOnly(run=False))
+    except _Parsed as parsed:
+        return parsed.config
+    raise AssertionError("unreachable")
 
 
 def load_recipe(args: list[str]) -> AlfrlCLI:
     """Parse and validate a recipe plus overrides, and build the model (not yet loaded) and DataModule."""
-    return AlfrlCLI(run=False, args=list(args) + ["--trainer.logger=false"])
+    return _with_argv(list(args) + ["--trainer.logger=false"], lambda: AlfrlCLI(run=False))
 
 
 def main_fit(args: list[str]) -> None:
-    sys.argv = [sys.argv[0], "fit", *args]  # LightningCLI reads sys.argv; keep one source of arguments
-    AlfrlCLI()
+    _with_argv(["fit", *args], AlfrlCLI)
 
 
 if __name__ == "__main__":  # pragma: no cover

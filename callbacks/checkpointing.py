@@ -91,9 +91,10 @@ class Checkpointing(L.Callback):
 
     # RNG states travel inside trainer.ckpt, so a resumed run samples what the uninterrupted one would
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module, checkpoint: dict) -> None:
-        checkpoint["alfrl_rng"] = {
+        name, keys, pos, has_gauss, gauss = np.random.get_state()
+        checkpoint["alfrl_rng"] = {  # plain types and tensors only: Lightning loads with weights_only=True
             "python": random.getstate(),
-            "numpy": np.random.get_state(),
+            "numpy": (name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss)),
             "torch": torch.get_rng_state(),
             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
         }
@@ -103,7 +104,8 @@ class Checkpointing(L.Callback):
         if rng is None:
             return
         random.setstate(rng["python"])
-        np.random.set_state(rng["numpy"])
+        name, keys, pos, has_gauss, gauss = rng["numpy"]
+        np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
         torch.set_rng_state(rng["torch"])
         if rng["cuda"] is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(rng["cuda"])

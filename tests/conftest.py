@@ -1,0 +1,60 @@
+"""Shared fixtures: the real ALFWorld games and the tiny model.
+
+The games come from $ALFWORLD_DATA (``make test`` prepares it from $ALFWORLD_ARCHIVE). Tests that
+need them fail with a clear message when they are missing, except outside CI where they skip.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from alfrl.games import DATA_SUBDIR, discover_games, prepare_from_archive, resolve_data_dir
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def data_dir() -> str:
+    root = resolve_data_dir(None)
+    if not (root / DATA_SUBDIR / "valid_seen").is_dir() and os.environ.get("ALFWORLD_ARCHIVE"):
+        prepare_from_archive(root, os.environ["ALFWORLD_ARCHIVE"])
+    if not (root / DATA_SUBDIR / "valid_seen").is_dir():
+        message = f"no ALFWorld games in {root}: run `make data ARCHIVE=...` or set ALFWORLD_DATA"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    return str(root)
+
+
+@pytest.fixture(scope="session")
+def valid_games(data_dir):
+    return discover_games(data_dir, ["valid_seen", "valid_unseen"])
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> str:
+    """The tiny model folder: $ALFRL_TINY_MODEL (written by `make test`) or written here once."""
+    given = os.environ.get("ALFRL_TINY_MODEL")
+    if given and (Path(given) / "config.json").is_file():
+        return given
+    from alfrl.tiny import write_tiny_model
+
+    return str(write_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0))
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+def one_game_per_task(games, split):
+    seen = {}
+    for g in games:
+        if g.split == split and g.task_type not in seen:
+            seen[g.task_type] = g
+    return [seen[t] for t in sorted(seen)]

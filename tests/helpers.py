@@ -1,0 +1,100 @@
+"""Test doubles: a scripted engine that plays given action lists through the real token machinery."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+
+from alfrl import protocol
+from alfrl.chat import ChatFormat
+from alfrl.engines import Completion, EngineCounters, SamplingRequest
+
+_PLAN = re.compile(r"plan (\d+)\.")
+_STEP = re.compile(r"You are now at step (\d+)\.")
+_ACTION = re.compile(r"Action \d+: '([^']*)'\]")
+
+
+RAW = "RAW:"
+"""A script entry starting with this is used as the completion text itself (e.g. a malformed answer)."""
+
+
+class ScriptedEngine:
+    """Trajectory k of a group plays ``scripts[k]`` (a list of completion texts or actions).
+
+    The first completion of trajectory k starts with the marker ``plan k.``; later requests find k
+    in their prompt and the turn number from the number of completions already in it. Completions
+    are tokenized with the real tokenizer and end with the end-of-turn token, so the rollout's
+    token machinery runs exactly as with a model. ``raw=True`` entries are used as completion text.
+    """
+
+    name = "scripted"
+
+    def __init__(self, fmt: ChatFormat, scripts: list[list[str]], raw: bool = False, logprob: float = -0.5,
+                 cut: Callable[[int, int], bool] | None = None):
+        self.fmt = fmt
+        self.scripts = scripts
+        self.raw = raw
+        self.logprob = logprob
+        self.cut = cut or (lambda k, turn: False)
+        self.requests: list[SamplingRequest] = []
+
+    def _completion(self, k: int, turn: int, budget: int) -> Completion:
+        script = self.scripts[k]
+        entry = script[turn] if turn < len(script) else script[-1]
+        marker = f"plan {k}. " if turn == 0 else ""
+        if self.raw or entry.startswith(RAW):
+            text = marker + entry.removeprefix(RAW)
+        else:
+            text = protocol.format_action(entry, self.fmt.action_format, marker)
+        if self.raw and turn == 0 and self.fmt.action_format == "action_tag" and entry.startswith("<think>"):
+            text = "<think>" + marker + entry[len("<think>"):]
+        ids = self.fmt.encode(text)
+        if self.cut(k, turn):
+            ids = ids[: max(1, min(budget, len(ids) - 2))]
+            return Completion(tuple(ids), tuple([self.logprob] * len(ids)), "length")
+        ids = ids + [self.fmt.end_of_turn_id]
+        ids = ids[:budget]
+        reason = "stop" if ids[-1] == self.fmt.end_of_turn_id else "length"
+        return Completion(tuple(ids), tuple([self.logprob] * len(ids)), reason)
+
+    def generate(self, requests: list[SamplingRequest]) -> list[list[Completion]]:
+        self.requests.extend(requests)
+        out = []
+        for r in requests:
+            text = self.fmt.tokenizer.decode(list(r.prompt_ids), skip_special_tokens=False)
+            window = _STEP.search(text)
+            if window:  # window context: the turn is the step shown, the trajectory the one whose actions match
+                turn = int(window.group(1)) - 1
+                if turn == 0:
+                    out.append([self._completion(k, 0, r.max_new_tokens) for k in range(r.n)])
+                    continue
+                taken = _ACTION.findall(text)
+                k = next(k for k, script in enumerate(self.scripts) if [protocol.canonical_action(a) for a in script[turn - len(taken) : turn]] == taken)
+                out.append([self._completion(k, turn, r.max_new_tokens)])
+                continue
+            found = _PLAN.findall(text)
+            if not found:  # the shared first prompt of a group: n completions, one per trajectory
+                out.append([self._completion(k, 0, r.max_new_tokens) for k in range(r.n)])
+                continue
+            k = int(found[0])
+            turn = text.count("<|im_start|>assistant") - 1  # completions already in the prompt
+            out.append([self._completion(k, turn, r.max_new_tokens)])
+        return out
+
+    def score(self, sequences):
+        return [[0.0] * len(s) for s in sequences]
+
+    def update_weights(self, named_tensors) -> None:
+        pass
+
+    def counters(self) -> EngineCounters:
+        return EngineCounters()
+
+    def sleep(self) -> None:
+        pass
+
+    def wake_up(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,114 @@
+"""The LoRA policy: chunked log-probs, one PPO update's direction, merged weights for the sampler."""
+
+import pytest
+import torch
+
+from alfrl.advantages import Sample
+from alfrl.logprobs import selected_logprobs
+from alfrl.policy import AlfrlPolicy, pack_microbatches
+
+
+@pytest.fixture(scope="module")
+def random_model_dir(tmp_path_factory):
+    """The tiny architecture with random weights (no pretraining): embeddings nearly orthogonal."""
+    from alfrl.tiny import write_tiny_model
+
+    return str(write_tiny_model(tmp_path_factory.mktemp("random") / "model", seed=0, pretrain_steps=0))
+
+
+@pytest.fixture()
+def policy(tiny_model_dir):
+    p = AlfrlPolicy(model_name=tiny_model_dir, dtype="float32", lora_rank=8, lora_alpha=16, lr=5e-3, microbatch_tokens=256, logprob_chunk_size=7)
+    p.configure_model()
+    torch.manual_seed(0)
+    for name, param in p.model.named_parameters():  # non-zero LoRA B so merged weights differ from the base
+        if "lora_B" in name:
+            param.data.normal_(0, 0.02)
+    return p
+
+
+def _sample(ids, trained_from, advantage, group=0, traj=0):
+    n = len(ids)
+    mask = tuple(1 if i >= trained_from else 0 for i in range(n))
+    return Sample(tuple(ids), mask, tuple(-1.0 * m for m in mask), tuple(advantage * m for m in mask), group, traj)
+
+
+def test_chunked_logprobs_equal_full_logits(policy):
+    torch.manual_seed(1)
+    ids = torch.randint(0, 1000, (2, 40))
+    attention = torch.ones_like(ids)
+    attention[1, 30:] = 0
+    target = attention.clone()
+    target[:, :5] = 0
+    chunked = selected_logprobs(policy.model, ids, attention, target, chunk_size=7)
+    logits = policy.model(input_ids=ids, attention_mask=attention).logits[:, :-1].float()
+    full = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)[target[:, 1:].bool()]
+    assert chunked.shape == full.shape
+    assert torch.allclose(chunked, full, atol=1e-5)
+
+
+def test_one_update_raises_positive_and_lowers_negative_advantage_tokens(random_model_dir):
+    # as in a group: the same prompts, answered with different tokens, one answer rewarded, one not
+    policy = AlfrlPolicy(model_name=random_model_dir, dtype="float32", lora_rank=8, lora_alpha=16)
+    policy.configure_model()
+    torch.manual_seed(2)
+    samples = []
+    for k in range(3):
+        prompt = torch.randint(0, 1000, (20,)).tolist()
+        samples.append(_sample(prompt + [100 + k], 20, +1.0, traj=2 * k))
+        samples.append(_sample(prompt + [300 + k], 20, -1.0, traj=2 * k + 1))
+    before = [float(lp.sum()) for lp in policy.old_logprobs(samples)]
+    optimizer = torch.optim.AdamW(policy.trainable_parameters(), lr=1e-4)
+    stats = policy.update(samples, optimizer=optimizer)
+    after = [float(lp.sum()) for lp in policy.old_logprobs(samples)]
+    for i, sample in enumerate(samples):
+        if sample.advantages[-1] > 0:
+            assert after[i] > before[i], f"positive sample {i}: {before[i]:.4f} -> {after[i]:.4f}"
+        else:
+            assert after[i] < before[i], f"negative sample {i}: {before[i]:.4f} -> {after[i]:.4f}"
+    assert stats["trained_tokens"] == 6
+    assert stats["clip_fraction"] == 0.0 and stats["ratio_mean"] == pytest.approx(1.0)  # first epoch: ratio 1
+    assert stats["grad_norm"] > 0
+
+
+def test_only_lora_weights_train(policy):
+    trainable = [n for n, p in policy.model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+
+
+def test_merged_weights_are_base_plus_delta_under_hugging_face_names(policy, tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
+    merged = dict(policy.merged_weights())
+    assert merged and set(merged) <= set(base)
+    assert "model.layers.0.self_attn.q_proj.weight" in merged and "model.layers.1.mlp.down_proj.weight" in merged
+    for name, tensor in merged.items():
+        assert not torch.equal(tensor, base[name])  # LoRA B is non-zero here
+    # loading them into a plain model gives the LoRA model's outputs
+    plain = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    plain.load_state_dict({**plain.state_dict(), **merged})
+    ids = torch.randint(0, 1000, (1, 12))
+    policy.model.eval()
+    assert torch.allclose(plain(ids).logits, policy.model(ids).logits, atol=1e-5)
+
+
+def test_lora_targets_cover_qwen3_and_qwen35_layer_names(policy):
+    names = {n.split(".")[-1] for n, _ in policy.merged_weights()}
+    assert {"q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight"} <= {".".join(n.split(".")[-2:]) for n, _ in policy.merged_weights()}
+    assert names == {"weight"}
+
+
+def test_pack_microbatches_respects_the_budget():
+    lengths = [100, 5000, 300, 12000, 200]
+    batches = pack_microbatches(lengths, 1000)
+    assert sorted(i for b in batches for i in b) == list(range(5))
+    for b in batches:
+        assert len(b) == 1 or len(b) * max(lengths[i] for i in b) <= 1000
+    assert [3] in batches  # a 12K-token trajectory gets a micro-batch of its own
+
+
+def test_problems_name_the_key_and_the_fix():
+    problems = AlfrlPolicy.problems({"model_name": "x", "lr": 0.0, "clip_low": 1.1, "clip_high": 0.9, "loss_aggregation": "sum"})
+    text = "\n".join(problems)
+    assert "model.lr=0.0" in text and "model.clip_low=1.1" in text and "model.clip_high=0.9" in text and "model.loss_aggregation='sum'" in text

@@ -1,0 +1,89 @@
+"""Every recipe parses and validates; bad recipes stop early with one line per problem."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from alfrl.recipe import parse_recipe, recipe_problems
+
+RECIPES = sorted(str(p) for p in (Path(__file__).resolve().parent.parent / "recipes").glob("*.yaml"))
+
+
+def test_there_are_recipes():
+    names = {Path(r).name for r in RECIPES}
+    assert {"tiny.yaml", "qwen4b_80step.yaml", "smoke_gpu.yaml", "eval.yaml"} <= names
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: Path(r).name)
+def test_every_recipe_parses_and_has_no_problems(recipe):
+    cfg = parse_recipe(["--config", recipe])
+    assert recipe_problems(cfg, check_data=False, check_model=False) == []
+    assert "${" not in str(cfg.checkpoint.dirpath)  # interpolation resolved
+
+
+def test_the_reference_recipe_is_the_reference_run():
+    cfg = parse_recipe(["--config", "recipes/qwen4b_80step.yaml"])
+    m, d = cfg.model, cfg.data
+    assert (m.model_name, m.lr, tuple(m.betas), m.weight_decay, m.grad_clip_norm, m.lora_rank, m.clip_low, m.clip_high, m.loss_aggregation) == (
+        "Qwen/Qwen3.5-4B", 1e-6, (0.9, 0.95), 0.0, 1.0, 32, 0.8, 1.2, "token_sum")
+    assert (cfg.trainer.max_steps, d.games_per_batch, d.group_size, d.seed, cfg.seed_everything) == (80, 8, 8, 42, 42)
+    r = d.rollout
+    assert (r.max_episode_steps, r.max_trajectory_tokens, r.max_assistant_tokens, r.temperature, r.top_p) == (50, 12000, 2048, 1.0, 1.0)
+    assert (d.advantage.estimator, d.advantage.drop_degenerate_groups, d.engine.kind, cfg.checkpoint.save_every) == ("grpo_mean", True, "vllm", 20)
+    e = d.eval
+    assert (tuple(e.splits), e.temperature, e.top_p, e.seed) == (("valid_seen", "valid_unseen"), 0.01, 1.0, 42)
+    swanlab = [lg for lg in cfg.trainer.logger if "SwanLab" in lg.class_path]
+    assert swanlab and swanlab[0].init_args.mode == "online"
+
+
+def test_overrides_and_interpolation_after_overrides():
+    cfg = parse_recipe(["--config", "recipes/tiny.yaml", "--model.lr", "2e-6", "--trainer.default_root_dir", "runs/other"])
+    assert cfg.model.lr == 2e-6
+    assert cfg.checkpoint.dirpath == "runs/other/checkpoints"
+
+
+def _fit(*args):
+    return subprocess.run([sys.executable, "-m", "alfrl.cli", "fit", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_unknown_key_is_one_clear_line():
+    out = _fit("--config", "recipes/tiny.yaml", "--model.lrr", "1e-5")
+    assert out.returncode != 0
+    assert "alfrl: recipe error:" in out.stderr and "lrr" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_unknown_key_in_a_recipe_file(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(Path("recipes/tiny.yaml").read_text().replace("  group_size: 4", "  group_size: 4\n  groupsize: 4"))
+    out = _fit("--config", str(bad))
+    assert out.returncode != 0 and "groupsize" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_bad_values_are_listed_before_any_model_loads(tmp_path, tiny_model_dir):
+    out = _fit(
+        "--config", "recipes/tiny.yaml",
+        "--model.model_name", tiny_model_dir,
+        "--data.group_size", "1",
+        "--model.clip_low", "1.5",
+        "--model.clip_high", "0.9",
+        "--model.lr", "0",
+        "--data.rollout.max_trajectory_tokens", "40000",
+        "--data.data_dir", str(tmp_path / "no-data"),
+    )
+    assert out.returncode == 1 or out.returncode == 2
+    err = out.stderr
+    assert "the recipe has 6 problem(s)" in err, err
+    for key in ("data.group_size=1", "model.clip_low=1.5", "model.clip_high=0.9", "model.lr=0", "exceed the model's context of 32768", "alfrl data prepare"):
+        assert key in err, key
+    assert "Traceback" not in err and "Loading weights" not in err
+    lines = [line for line in err.splitlines() if line.startswith("  - ")]
+    assert len(lines) == 6
+
+
+def test_print_config_shows_the_resolved_recipe():
+    out = _fit("--config", "recipes/tiny.yaml", "--print_config")
+    assert out.returncode == 0, out.stderr
+    assert "save_dir: runs/tiny" in out.stdout and "${" not in out.stdout
+    assert "group_size: 4" in out.stdout and "max_trajectory_tokens: 6000" in out.stdout
