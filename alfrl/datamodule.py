@@ -123,6 +123,7 @@ class RolloutDataModule(L.LightningDataModule):
         engine: EngineConfig = EngineConfig(),
         env: EnvConfig = EnvConfig(),
         eval: EvalConfig = EvalConfig(),
+        save_rollouts: bool = False,
     ):
         """
         Args:
@@ -137,6 +138,8 @@ class RolloutDataModule(L.LightningDataModule):
             engine: the sampler (hf or vllm) and its settings.
             env: environment worker pool.
             eval: the evaluation protocol (``alfrl eval`` and periodic evaluation).
+            save_rollouts: write every step's trajectories (texts, rewards, no token ids) to
+                ``<trainer.default_root_dir>/rollouts/step-NNNNNN-rankR.jsonl``.
         """
         super().__init__()
         self.data_dir = data_dir
@@ -150,6 +153,7 @@ class RolloutDataModule(L.LightningDataModule):
         self.engine_cfg = engine
         self.env_cfg = env
         self.eval_cfg = eval
+        self.save_rollouts = save_rollouts
         self.cursor = 0
         """How many training games have been taken so far (saved in checkpoints)."""
         self.step = 0
@@ -263,8 +267,24 @@ class RolloutDataModule(L.LightningDataModule):
         metrics = batch_metrics(groups, counters, seconds, result.degenerate_groups, result.dropped_groups)
         metrics = self._reduce_metrics(metrics, groups)
         batch = RolloutBatch(step=self.step, games=games, groups=groups, samples=result.samples, metrics=metrics)
+        if self.save_rollouts:
+            self._write_rollouts(batch)
         self.step += 1
         return batch
+
+    def _write_rollouts(self, batch: RolloutBatch) -> None:
+        import json
+        from pathlib import Path
+
+        from alfrl.evaluation import game_record
+
+        rank, _ = self._rank_world()
+        folder = Path(self.trainer.default_root_dir) / "rollouts"
+        folder.mkdir(parents=True, exist_ok=True)
+        with open(folder / f"step-{batch.step:06d}-rank{rank}.jsonl", "w") as f:
+            for group in batch.groups:
+                for t in group.trajectories:
+                    f.write(json.dumps({**game_record(t), "type": "trajectory", "group": t.group_id, "index": t.index}) + "\n")
 
     # ------------------------------------------------------------ weight-sync probe and evaluation
     def probe_ids(self) -> list[int]:

@@ -353,8 +353,14 @@ class AlfrlPolicy(L.LightningModule):
         lightning_optimizer = self.optimizers() if optimizer is None else None
         raw_optimizer = lightning_optimizer.optimizer if lightning_optimizer is not None else optimizer
         world = self.trainer.world_size if attached else 1
+        import time
+
+        if torch.cuda.is_available() and self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        started = time.perf_counter()
         sampler_lp = [self._selected(samples, [i], "sampler_logprobs").to(self.device) for i in range(len(samples))]
         old = self.old_logprobs(samples)
+        old_seconds = time.perf_counter() - started
         trained_tokens = sum(int(o.numel()) for o in old)
         diffs = [(s - o).float() for s, o in zip(sampler_lp, old)]
         tot = dict(loss=0.0, tokens=0, clipped=0, kl=0.0, ratio_sum=0.0, ratio_min=math.inf, ratio_max=-math.inf, grad_norm=0.0, steps=0)
@@ -368,7 +374,8 @@ class AlfrlPolicy(L.LightningModule):
                 tot["steps"] += 1
                 counts = [int(old[i].numel()) for i in part]
                 n_seq, n_tok = self._global_counts(len(part), sum(counts), world)
-                for idx in pack_microbatches([len(samples[i]) for i in part], hp.microbatch_tokens):
+                microbatches = pack_microbatches([len(samples[i]) for i in part], hp.microbatch_tokens)
+                for mb, idx in enumerate(microbatches):
                     members = [part[j] for j in idx]
                     logprobs = self.logprobs_of(samples, members)
                     old_mb = torch.cat([old[i] for i in members])
@@ -378,7 +385,8 @@ class AlfrlPolicy(L.LightningModule):
                     if hp.tis_cap is not None:
                         is_w = truncated_is_weights(old_mb, torch.cat([sampler_lp[i] for i in members]), hp.tis_cap)
                     loss, st = ppo_clip_loss(logprobs, old_mb, adv, weights, hp.clip_low, hp.clip_high, is_w)
-                    self._backward(loss)
+                    with self._gradient_sync(last=mb == len(microbatches) - 1):
+                        self._backward(loss)
                     tot["loss"] += float(loss.detach())
                     tot["tokens"] += st.tokens
                     tot["clipped"] += st.clipped
@@ -398,7 +406,13 @@ class AlfrlPolicy(L.LightningModule):
                 raw_optimizer.zero_grad(set_to_none=True)
         n = max(tot["tokens"], 1)
         all_diffs = torch.cat(diffs) if diffs else torch.zeros(0)
+        train_seconds = time.perf_counter() - started - old_seconds
+        peak = torch.cuda.max_memory_allocated(self.device) / 2**30 if self.device.type == "cuda" else 0.0
         return {
+            "old_logprob_seconds": old_seconds,
+            "update_seconds": train_seconds,
+            "sequence_tokens": float(sum(len(s) for s in samples)),
+            "peak_memory_gib": peak,
             "loss": tot["loss"] / max(tot["steps"], 1),
             "clip_fraction": tot["clipped"] / n,
             "approx_kl": tot["kl"] / n,
@@ -423,6 +437,17 @@ class AlfrlPolicy(L.LightningModule):
         counts = torch.tensor([float(n_seq), float(n_tok)], device=self.device)
         counts = self.trainer.strategy.reduce(counts, reduce_op="sum")
         return max(float(counts[0]), 1.0) / world, max(float(counts[1]), 1.0) / world
+
+    def _gradient_sync(self, last: bool):
+        """Under DDP, all-reduce gradients only on the last backward of a minibatch (the rest accumulate)."""
+        from contextlib import nullcontext
+
+        from torch.nn.parallel import DistributedDataParallel
+
+        wrapper = self.trainer.model if self._trainer is not None else None
+        if not last and isinstance(wrapper, DistributedDataParallel):
+            return wrapper.no_sync()
+        return nullcontext()
 
     def _backward(self, loss: torch.Tensor) -> None:
         if self._trainer is not None:

@@ -97,10 +97,14 @@ def charts(runs: list[tuple[str, dict]], out: Path) -> list[Path]:
     def bars(ax, groups: list[str], values: list[list[float]], ylabel: str, percent: bool):
         x = np.arange(len(groups))
         for i, (name, vals) in enumerate(zip(names, values)):
-            ax.bar(x + (i - (len(runs) - 1) / 2) * width, [100 * v if percent else v for v in vals], width, label=name)
+            shown = [100 * v if percent else v for v in vals]
+            drawn = ax.bar(x + (i - (len(runs) - 1) / 2) * width, shown, width, label=name)
+            ax.bar_label(drawn, fmt="%.1f", fontsize=7, padding=1)
         ax.set_xticks(x, groups, rotation=20 if len(groups) > 3 else 0, ha="right" if len(groups) > 3 else "center")
         ax.set_ylabel(ylabel)
-        ax.legend()
+        if percent:
+            ax.set_ylim(0, 110)
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
         ax.grid(axis="y", alpha=0.3)
 
     fig, ax = plt.subplots(figsize=(7, 4))

@@ -98,3 +98,20 @@ class ScriptedEngine:
 
     def close(self) -> None:
         pass
+
+
+class WalkthroughEngine(ScriptedEngine):
+    """Plays each game's expert walkthrough, games taken in order (evaluate with games_per_chunk=1)."""
+
+    def __init__(self, fmt: ChatFormat, games):
+        super().__init__(fmt, [[]])
+        self.games = list(games)
+        self.current = -1
+
+    def generate(self, requests: list[SamplingRequest]) -> list[list[Completion]]:
+        (r,) = requests
+        text = self.fmt.tokenizer.decode(list(r.prompt_ids), skip_special_tokens=False)
+        if "<|im_start|>assistant" not in text.rsplit("<|im_start|>assistant", 1)[0] and "plan 0." not in text:
+            self.current += 1  # a new game's opening prompt
+            self.scripts = [self.games[self.current].walkthrough()]
+        return super().generate(requests)

@@ -1,0 +1,45 @@
+"""Two ranks on CPU (gloo, HF engine, tiny model): disjoint games, identical LoRA weights, global metrics."""
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.slow
+
+
+def test_two_ranks_take_disjoint_games_and_stay_identical(tmp_path, data_dir, tiny_model_dir):
+    root = tmp_path / "ddp"
+    cmd = [sys.executable, "-m", "alfrl.cli", "fit", "--config", "recipes/tiny.yaml", "--trainer.default_root_dir", str(root),
+           "--model.model_name", tiny_model_dir, "--trainer.devices", "2", "--trainer.strategy", "ddp", "--trainer.accelerator", "cpu",
+           "--data.games_per_batch", "4", "--data.env.num_workers", "1", "--data.save_rollouts", "true",
+           "--trainer.logger", "lightning.pytorch.loggers.CSVLogger", "--trainer.logger.save_dir", str(root),
+           "--trainer.callbacks+=tests.ddp_record.RecordRank", f"--trainer.callbacks.out={root / 'ranks'}"]
+    env = dict(os.environ, ALFWORLD_DATA=data_dir, PYTHONPATH=str(REPO))
+    out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    records = {r: [json.loads(line) for line in (root / "ranks" / f"rank{r}.jsonl").read_text().splitlines()] for r in (0, 1)}
+    assert [x["step"] for x in records[0]] == [1, 2] and all(x["world"] == 2 for x in records[0])
+    for a, b in zip(records[0], records[1]):
+        assert a["lora"] == b["lora"], "the ranks' LoRA weights differ after an update"
+    assert records[0][0]["lora"] != records[0][1]["lora"]  # the updates did change the weights
+    for step in (0, 1):
+        games = {}
+        trajs = []
+        for rank in (0, 1):
+            rows = [json.loads(line) for line in (root / "rollouts" / f"step-{step:06d}-rank{rank}.jsonl").read_text().splitlines()]
+            games[rank] = {r["game_id"] for r in rows}
+            trajs += rows
+            assert len(rows) == 2 * 4  # 2 games x group of 4 on each rank
+        assert not games[0] & games[1] and len(games[0]) == len(games[1]) == 2
+        with open(next(root.glob("lightning_logs/version_*/metrics.csv"))) as f:
+            rows = [r for r in csv.DictReader(f) if r.get("rollout/success_rate")]
+        logged = rows[step]
+        assert float(logged["rollout/trajectories"]) == 16.0
+        assert float(logged["rollout/reward_mean"]) == pytest.approx(sum(t["reward"] for t in trajs) / 16, abs=1e-6)
+        assert float(logged["rollout/success_rate"]) == pytest.approx(sum(t["won"] for t in trajs) / 16, abs=1e-6)

@@ -1,0 +1,153 @@
+"""Evaluation: exact summaries, resumable output, the walkthrough wins, the tiny model end to end, reports."""
+
+import dataclasses
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from alfrl.chat import chat_format
+from alfrl.envs import EnvPool
+from alfrl.evaluation import EvalConfig, EvalError, eval_games, read_results, run_eval, summarize
+from alfrl.rewards import RewardConfig
+from alfrl.rollout import RolloutConfig, RolloutRunner
+from tests.conftest import one_game_per_task
+from tests.helpers import WalkthroughEngine
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _turn(valid, admissible):
+    return {"valid_format": valid, "admissible": admissible}
+
+
+HAND_MADE = [
+    {"type": "game", "game_id": "valid_seen:a", "split": "valid_seen", "task_type": "pick_and_place_simple", "won": True, "steps": 2,
+     "invalid_actions": 0, "stop_reason": "won", "reward": 1.0, "turns": [_turn(True, True), _turn(True, True)]},
+    {"type": "game", "game_id": "valid_seen:b", "split": "valid_seen", "task_type": "pick_and_place_simple", "won": False, "steps": 4,
+     "invalid_actions": 2, "stop_reason": "max_steps", "reward": -0.2, "turns": [_turn(False, False), _turn(True, False), _turn(True, True), _turn(True, True)]},
+    {"type": "game", "game_id": "valid_seen:c", "split": "valid_seen", "task_type": "look_at_obj_in_light", "won": True, "steps": 3,
+     "invalid_actions": 1, "stop_reason": "won", "reward": 0.9, "turns": [_turn(True, False), _turn(True, True), _turn(True, True)]},
+    {"type": "game", "game_id": "valid_unseen:d", "split": "valid_unseen", "task_type": "look_at_obj_in_light", "won": False, "steps": 1,
+     "invalid_actions": 1, "stop_reason": "trajectory_too_long", "reward": -0.1, "turns": [_turn(False, False)]},
+]
+
+
+def test_summary_of_a_hand_made_file_is_exact(tmp_path):
+    path = tmp_path / "hand.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in HAND_MADE))
+    _, games, s = read_results(path)
+    assert len(games) == 4
+    seen, unseen, overall = s["splits"]["valid_seen"], s["splits"]["valid_unseen"], s["overall"]
+    assert (seen["games"], seen["wins"]) == (3, 2) and seen["success_rate"] == 2 / 3
+    assert seen["mean_reward"] == pytest.approx((1.0 - 0.2 + 0.9) / 3) and seen["mean_steps"] == 3.0 and seen["mean_invalid_actions"] == 1.0
+    assert seen["valid_format_rate"] == 8 / 9 and seen["admissible_rate"] == 6 / 9
+    assert (unseen["games"], unseen["wins"], unseen["success_rate"], unseen["valid_format_rate"]) == (1, 0, 0.0, 0.0)
+    # overall is game-weighted: 2 wins of 4 games, not the mean of the split rates
+    assert overall["success_rate"] == 0.5 and overall["mean_steps"] == 2.5 and overall["admissible_rate"] == 6 / 10
+    assert s["task_types"]["valid_seen"]["pick_and_place_simple"] == {"games": 2, "wins": 1, "success_rate": 0.5}
+    assert s["task_types"]["valid_seen"]["look_at_obj_in_light"]["success_rate"] == 1.0
+    assert s["task_types"]["valid_unseen"]["look_at_obj_in_light"] == {"games": 1, "wins": 0, "success_rate": 0.0}
+
+
+def test_the_walkthrough_policy_wins_every_game_of_a_sample(valid_games, tiny_tokenizer, tmp_path):
+    sample = one_game_per_task(valid_games, "valid_seen") + one_game_per_task(valid_games, "valid_unseen")
+    fmt = chat_format(tiny_tokenizer, "tool_call")
+    cfg = EvalConfig(games_per_chunk=1)
+    with EnvPool(num_workers=2) as pool:
+        runner = RolloutRunner(WalkthroughEngine(fmt, sample), pool, fmt, cfg.rollout_config(RolloutConfig()), RewardConfig())
+        summary = run_eval(runner, sample, cfg, tmp_path / "walk.jsonl", {"policy": "walkthrough"})
+    assert summary["overall"]["games"] == 12 and summary["overall"]["success_rate"] == 1.0
+    assert summary["overall"]["valid_format_rate"] == 1.0 and summary["overall"]["admissible_rate"] == 1.0
+    for split in ("valid_seen", "valid_unseen"):
+        assert len(summary["task_types"][split]) == 6
+        assert all(v["success_rate"] == 1.0 for v in summary["task_types"][split].values())
+
+
+@pytest.fixture(scope="module")
+def tiny_runner(tiny_model_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from alfrl.engines import HFEngine
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    fmt = chat_format(tok, "tool_call")
+    cfg = EvalConfig(max_episode_steps=4, max_trajectory_tokens=5000, max_assistant_tokens=40, games_per_chunk=2, temperature=1.0)
+    with EnvPool(num_workers=2) as pool:
+        yield RolloutRunner(HFEngine(model, tok.pad_token_id), pool, fmt, cfg.rollout_config(RolloutConfig()), RewardConfig()), cfg
+
+
+def test_an_interrupted_eval_resumes_to_the_same_summary(valid_games, tiny_runner, tmp_path):
+    runner, cfg = tiny_runner
+    games = valid_games[:2] + valid_games[-2:]
+    config = {"model": "tiny"}
+    whole = run_eval(runner, games, cfg, tmp_path / "whole.jsonl", config)
+
+    class Stop(Exception):
+        pass
+
+    def stop_after_first_chunk(done, total):
+        raise Stop
+
+    with pytest.raises(Stop):
+        run_eval(runner, games, cfg, tmp_path / "parts.jsonl", config, on_chunk=stop_after_first_chunk)
+    _, done, _ = read_results(tmp_path / "parts.jsonl")
+    assert len(done) == 2  # the first chunk was kept
+    chunks = []
+    resumed = run_eval(runner, games, cfg, tmp_path / "parts.jsonl", config, on_chunk=lambda d, t: chunks.append(d))
+    assert chunks == [4]  # only the second chunk was played again
+    assert resumed == whole
+    # a finished file re-run plays nothing and gives the same summary
+    assert run_eval(runner, games, cfg, tmp_path / "parts.jsonl", config) == whole
+    # a different configuration is refused unless --overwrite
+    with pytest.raises(EvalError, match="--overwrite"):
+        run_eval(runner, games, cfg, tmp_path / "parts.jsonl", {"model": "other"})
+    assert run_eval(runner, games[:2], cfg, tmp_path / "parts.jsonl", {"model": "other"}, overwrite=True)["overall"]["games"] == 2
+
+
+def test_eval_games_take_the_first_games_of_each_split_in_sorted_order(data_dir):
+    games = eval_games(data_dir, ("valid_seen", "valid_unseen"), 3)
+    assert [g.split for g in games] == ["valid_seen"] * 3 + ["valid_unseen"] * 3
+    ids = [g.id for g in games]
+    assert ids[:3] == sorted(ids[:3]) and ids[3:] == sorted(ids[3:])
+    assert len(eval_games(data_dir, ("valid_seen", "valid_unseen"), None)) == 274
+
+
+def test_make_eval_runs_the_tiny_model_and_report_compares_runs(tmp_path, data_dir, tiny_model_dir):
+    env = dict(os.environ, ALFWORLD_DATA=data_dir)
+    outputs = []
+    for name, extra in (("base", ""), ("greedy", "--data.eval.temperature 0")):
+        out = tmp_path / f"{name}.jsonl"
+        args = f"--model.model_name {tiny_model_dir} {extra}"
+        proc = subprocess.run(["make", "eval", "RECIPE=recipes/tiny.yaml", "LIMIT=2", f"OUT={out}", f"ARGS={args}", f"DATA_DIR={data_dir}",
+                               f"TINY_MODEL={tiny_model_dir}"], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+        assert "success per task type" in proc.stdout
+        header, games, summary = read_results(out)
+        assert header["config"]["model_name"] == tiny_model_dir and len(games) == 4
+        assert json.loads(out.with_suffix(".summary.json").read_text()) == summary
+        assert json.loads(out.read_text().splitlines()[-1])["type"] == "summary"
+        outputs.append(str(out))
+    report = tmp_path / "report"
+    proc = subprocess.run(["alfrl" if False else str(REPO / ".venv/bin/alfrl") if (REPO / ".venv/bin/alfrl").exists() else "alfrl",
+                           "report", *outputs, "--names", "base", "greedy", "--out", str(report)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    table = (report / "report.md").read_text()
+    assert "| base |" in table and "| greedy |" in table and "pick_and_place_simple" in table
+    for png in ("success_by_split.png", "success_by_task.png", "invalid_actions.png"):
+        data = (report / png).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+
+
+def test_report_of_hand_made_runs(tmp_path):
+    from alfrl.report import markdown
+
+    base = summarize(HAND_MADE)
+    better = summarize([dict(r, won=True) for r in HAND_MADE])
+    table = markdown([("base", base), ("trained", better)])
+    assert "| base | 66.67% | 0.00% | 50.00% | 2/4 |" in table
+    assert "| trained | 100.00% (+33.33) | 100.00% (+100.00) | 100.00% (+50.00) | 4/4 |" in table
+    assert "| look_at_obj_in_light | 50.00% | 100.00% (+50.00) |" in table
