@@ -244,6 +244,15 @@ class VLLMEngine:
         self._vllm = vllm
         self.sleep_mode = enable_sleep_mode
         self._asleep = False
+        extra = {}
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            # one engine per rank inside the trainer's process group (each rank samples its own games)
+            extra["distributed_executor_backend"] = "external_launcher"
+            os.environ.setdefault("RANK", str(dist.get_rank()))
+            os.environ.setdefault("WORLD_SIZE", str(dist.get_world_size()))
+            os.environ.setdefault("LOCAL_RANK", str(torch.cuda.current_device()))
         self.llm = vllm.LLM(
             model=model_path,
             skip_tokenizer_init=True,
@@ -255,6 +264,7 @@ class VLLMEngine:
             dtype=dtype,
             seed=seed,
             disable_log_stats=False,
+            **extra,
         )
 
     def _model(self):
