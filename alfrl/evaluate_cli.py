@@ -64,7 +64,11 @@ def main(argv: list[str]) -> int:
         policy.configure_model()
         policy.to(device)
     if args.adapter:
-        adapter_file = policy.load_adapter(args.adapter)
+        try:
+            adapter_file = policy.load_adapter(args.adapter)
+        except (FileNotFoundError, ValueError) as e:
+            print(f"alfrl eval: {e}", file=sys.stderr)
+            return 2
     dm.connect(policy)
     if args.adapter and dm.engine.name != "hf":
         dm.engine.update_weights(policy.merged_weights())

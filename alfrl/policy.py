@@ -228,6 +228,8 @@ class AlfrlPolicy(L.LightningModule):
 
         self.configure_model()
         p = Path(path)
+        if p.is_file() and p.name == "last":  # the checkpoint folder's pointer to the newest step
+            p = p.parent / p.read_text().strip()
         if p.is_dir() and (p / "adapter").is_dir():
             p = p / "adapter"
         if p.is_file() and p.suffix == ".ckpt":

@@ -84,6 +84,7 @@ def main() -> None:
                 "metrics": rollout_metrics(groups),
             }
             print(json.dumps(report["rollout"], indent=2), flush=True)
+            json.dump(report, open(args.out, "w"), indent=2)
 
         if "update" not in args.skip:
             g = torch.Generator().manual_seed(0)
@@ -128,6 +129,7 @@ def main() -> None:
             free_after, _ = torch.cuda.mem_get_info()
             report["update"]["gpu_used_after_update_gib"] = (total - free_after) / 2**30
             print(json.dumps(report["update"], indent=2), flush=True)
+            json.dump(report, open(args.out, "w"), indent=2)
 
         if "eval" not in args.skip:
             ecfg = EvalConfig(max_assistant_tokens=forced, games_per_chunk=274)
@@ -144,6 +146,8 @@ def main() -> None:
                 "overall": summary["overall"],
             }
             print(json.dumps(report["eval"], indent=2), flush=True)
+    report["vllm_metrics"] = {m.name: getattr(m, "value", None) for m in engine.llm.get_metrics() if "prefix" in m.name or "token" in m.name}
+    print(json.dumps(report["vllm_metrics"], indent=2))
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)
 

@@ -27,13 +27,14 @@ case "$1" in
     python3 bench/gpu_engine_check.py --model .cache/tiny-model --data-dir .cache/alfworld --out "$OUT/engine_check.json" 2>&1 | tail -80 ;;
   bench)
     python3 bench/gpu_bench.py --model .cache/random-qwen3-4b --data-dir .cache/alfworld --out "$OUT/gpu_bench.json" \
-      --eval-out "$OUT/eval_random4b.jsonl" ${@:2} 2>&1 | grep -v "it/s\]" | tail -120 ;;
+      --eval-out "$OUT/eval_random4b.jsonl" ${@:2} > "$OUT/bench.log" 2>&1; tail -c 6000 "$OUT/bench.log" ;;
   fit)
     n=${2:-1}
     t0=$(date +%s)
     python3 -m alfrl.cli fit --config recipes/bench_random4b.yaml --trainer.devices "$n" \
       $([ "$n" -gt 1 ] && echo --trainer.strategy ddp) --data.games_per_batch $((8 * n)) \
-      --trainer.default_root_dir "runs/bench_${n}gpu" --progress_bar.refresh_rate 0 ${@:3} 2>&1 | grep -v "it/s\]" | tail -60
+      --trainer.default_root_dir "runs/bench_${n}gpu" --progress_bar.refresh_rate 0 ${@:3} > "$OUT/fit_${n}gpu.log" 2>&1
+    grep -v "it/s\]" "$OUT/fit_${n}gpu.log" | grep -v "^INFO\|^(EngineCore" | tail -25
     echo "fit on $n GPU(s) took $(( $(date +%s) - t0 ))s wall"
     cp runs/bench_${n}gpu/csv/version_*/metrics.csv "$OUT/fit_${n}gpu_metrics.csv" 2>/dev/null
     ls -R runs/bench_${n}gpu/checkpoints | head -20 ;;
