@@ -1,0 +1,69 @@
+"""Environment throughput: steps per second for 1, 2 and N workers on the expert walkthroughs of a
+fixed set of games (the first two games of each task type in valid_seen, sorted: 12 games).
+
+    python bench/env_throughput.py [--workers 1 2 N] --out bench/out/env_throughput.json
+
+Each worker count gets a fresh pool; all 12 environments are reset together (timed apart), then
+stepped in rounds, one walkthrough action per live environment per round, through ``EnvPool.run``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+from alfrl.envs import EnvOp, EnvPool
+from alfrl.games import discover_games
+
+
+def fixed_games(data_dir: str | None, per_task: int = 2):
+    chosen, seen = [], {}
+    for g in discover_games(data_dir, ["valid_seen"]):
+        if seen.get(g.task_type, 0) < per_task:
+            seen[g.task_type] = seen.get(g.task_type, 0) + 1
+            chosen.append(g)
+    return chosen
+
+
+def measure(games, workers: int) -> dict:
+    with EnvPool(num_workers=workers) as pool:
+        ids = [pool.create(g.path) for g in games]
+        pool.run([EnvOp(i, "reset") for i in ids[:workers]])  # start the workers (imports) before timing
+        start = time.perf_counter()
+        pool.run([EnvOp(i, "reset") for i in ids])
+        reset_seconds = time.perf_counter() - start
+        plans = {i: g.walkthrough() for i, g in zip(ids, games)}
+        steps, wins, start = 0, 0, time.perf_counter()
+        for turn in range(max(len(p) for p in plans.values())):
+            ops = [EnvOp(i, "step", p[turn]) for i, p in plans.items() if turn < len(p)]
+            results = pool.run(ops)
+            steps += len(ops)
+            wins += sum(bool(getattr(r, "won", False)) for r in results)
+        step_seconds = time.perf_counter() - start
+    return {"workers": workers, "games": len(games), "steps": steps, "wins": wins, "reset_seconds": reset_seconds,
+            "resets_per_second": len(games) / reset_seconds, "step_seconds": step_seconds, "steps_per_second": steps / step_seconds}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--data-dir", default=None)
+    parser.add_argument("--workers", type=int, nargs="+", default=sorted({1, 2, os.cpu_count() or 1}))
+    parser.add_argument("--out", default="bench/out/env_throughput.json")
+    args = parser.parse_args()
+    games = fixed_games(args.data_dir)
+    results = [measure(games, w) for w in args.workers]
+    report = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "processor": platform.processor()},
+              "games": [g.id for g in games], "results": results}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2))
+    for r in results:
+        print(f"{r['workers']:>3} workers: {r['steps_per_second']:7.1f} steps/s ({r['steps']} steps, {r['wins']}/{r['games']} won), "
+              f"{r['resets_per_second']:.2f} resets/s")
+
+
+if __name__ == "__main__":
+    main()
