@@ -31,6 +31,42 @@ def _file_digest(path: str) -> str:
     return h.hexdigest()[:16]
 
 
+def _distributed() -> tuple[int, int]:
+    """(rank, world size) under torchrun / SLURM launchers; initialises the process group once."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return 0, 1
+    if not dist.is_initialized():
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _merge(parts: list[Path], games: list, out: Path, config: dict) -> dict:
+    """One result file from the ranks' files, games in the evaluation's order."""
+    from alfrl.evaluation import config_hash, read_results, summarize
+
+    records = {}
+    for part in parts:
+        _, part_games, _ = read_results(part)
+        records.update({r["game_id"]: r for r in part_games})
+    ordered = [records[g.id] for g in games]
+    summary = summarize(ordered)
+    header = {"type": "header", "config": config, "config_hash": config_hash(config), "games": [g.id for g in games], "ranks": len(parts)}
+    tmp = out.with_suffix(out.suffix + ".tmp")
+    with open(tmp, "w") as f:
+        for rec in [header, *ordered, summary]:
+            f.write(json.dumps(rec) + "\n")
+    tmp.replace(out)
+    return summary
+
+
 def main(argv: list[str]) -> int:
     own = argparse.ArgumentParser(prog="alfrl eval", add_help=False)
     own.add_argument("--adapter", default=None, help="checkpoint folder, its adapter/ folder or trainer.ckpt (default: the base model)")
@@ -55,10 +91,13 @@ def main(argv: list[str]) -> int:
         cfg = dataclasses.replace(cfg, limit_per_split=args.limit_per_split)
     dm.eval_cfg = cfg
     games = eval_games(dm.data_dir, cfg.splits, cfg.limit_per_split)
+    rank, world = _distributed()
+    out = Path(args.out)
+    part = out if world == 1 else out.with_name(f"{out.stem}.rank{rank}-of-{world}{out.suffix}")
 
     import torch
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
     adapter_file = None
     if dm.engine_cfg.kind == "hf" or args.adapter:
         policy.configure_model()
@@ -82,19 +121,28 @@ def main(argv: list[str]) -> int:
         "rollout": dataclasses.asdict(cfg.rollout_config(dm.rollout)),
         "reward": dataclasses.asdict(dm.reward),
     }
-    print(f"alfrl eval: {len(games)} games ({', '.join(cfg.splits)}), model {config['model_name']}, adapter {config['adapter'] or 'none'}", file=sys.stderr)
+    mine = games[rank::world]  # each rank plays a disjoint share; the merged file keeps the sorted order
+    print(f"alfrl eval: {len(mine)} of {len(games)} games on rank {rank}/{world} ({', '.join(cfg.splits)}), "
+          f"model {config['model_name']}, adapter {config['adapter'] or 'none'}", file=sys.stderr)
     try:
         summary = run_eval(
-            dm.eval_runner(), games, cfg, args.out, config, overwrite=args.overwrite,
-            on_chunk=lambda done, total: print(f"  {done}/{total} games", file=sys.stderr),
+            dm.eval_runner(), mine, cfg, part, config, overwrite=args.overwrite,
+            on_chunk=lambda done, total: print(f"  rank {rank}: {done}/{total} games", file=sys.stderr),
         )
     except EvalError as e:
         print(f"alfrl eval: {e}", file=sys.stderr)
         return 2
     finally:
         dm.close()
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.barrier()
+        if rank != 0:
+            return 0
+        summary = _merge([out.with_name(f"{out.stem}.rank{r}-of-{world}{out.suffix}") for r in range(world)], games, out, config)
     print(format_summary(summary))
-    summary_file = Path(args.out).with_suffix(".summary.json")
+    summary_file = out.with_suffix(".summary.json")
     summary_file.write_text(json.dumps(summary, indent=2))
-    print(f"\nresults: {args.out}\nsummary: {summary_file}")
+    print(f"\nresults: {out}\nsummary: {summary_file}")
     return 0

@@ -43,3 +43,24 @@ def test_two_ranks_take_disjoint_games_and_stay_identical(tmp_path, data_dir, ti
         assert float(logged["rollout/trajectories"]) == 16.0
         assert float(logged["rollout/reward_mean"]) == pytest.approx(sum(t["reward"] for t in trajs) / 16, abs=1e-6)
         assert float(logged["rollout/success_rate"]) == pytest.approx(sum(t["won"] for t in trajs) / 16, abs=1e-6)
+
+
+def test_eval_sharded_over_two_ranks_merges_to_the_single_process_result(tmp_path, data_dir, tiny_model_dir):
+    env = dict(os.environ, ALFWORLD_DATA=data_dir, PYTHONPATH=str(REPO))
+    common = ["eval", "--config", "recipes/tiny.yaml", "--model.model_name", tiny_model_dir, "--limit-per-split", "2",
+              "--data.eval.games_per_chunk", "1", "--data.env.num_workers", "1"]
+    single = tmp_path / "single.jsonl"
+    out = subprocess.run([sys.executable, "-m", "alfrl.cli", *common, "--out", str(single)], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    merged = tmp_path / "merged.jsonl"
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29533", "-m", "alfrl.cli",
+                          *common, "--out", str(merged)], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    parts = sorted(p.name for p in tmp_path.glob("merged.rank*"))
+    assert parts == ["merged.rank0-of-2.jsonl", "merged.rank1-of-2.jsonl"]
+    games_of = {p: {json.loads(line)["game_id"] for line in (tmp_path / p).read_text().splitlines() if '"type": "game"' in line} for p in parts}
+    assert not games_of[parts[0]] & games_of[parts[1]] and len(games_of[parts[0]]) == 2
+    one = [json.loads(line) for line in single.read_text().splitlines()]
+    two = [json.loads(line) for line in merged.read_text().splitlines()]
+    assert [r for r in one if r["type"] == "game"] == [r for r in two if r["type"] == "game"]
+    assert one[-1] == two[-1] and two[-1]["type"] == "summary"

@@ -1,0 +1,69 @@
+"""HFEngine's contract (the one VLLMEngine shares), and VLLMEngine's refusal without vLLM or a GPU."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from alfrl.chat import chat_format
+from alfrl.engines import EngineError, HFEngine, SamplingRequest
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_model_dir):
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    fmt = chat_format(tok, "tool_call")
+    prompt = tuple(fmt.first_prompt_ids("Your task is to: look.\nAvailable actions:\nlook"))
+    return tok, model, fmt, prompt
+
+
+def test_n_completions_with_one_logprob_each_matching_the_model(setup):
+    tok, model, fmt, prompt = setup
+    engine = HFEngine(model, tok.pad_token_id)
+    short = SamplingRequest(prompt[:40], 2, 1.0, 1.0, 10, fmt.stop_token_ids, seed=1)
+    outs = engine.generate([SamplingRequest(prompt, 3, 1.0, 1.0, 30, fmt.stop_token_ids, seed=1), short])
+    assert [len(o) for o in outs] == [3, 2]
+    for request, completions in zip([None, short], outs):
+        for c in completions:
+            assert len(c.logprobs) == len(c.token_ids) >= 1
+            if c.finish_reason == "stop":
+                assert c.token_ids[-1] in fmt.stop_token_ids
+                assert not set(c.token_ids[:-1]) & set(fmt.stop_token_ids)
+            else:
+                assert len(c.token_ids) == (30 if request is None else 10)
+    # the sampler's log-probs are the model's own (temperature 1, raw logits)
+    c = outs[0][0]
+    ids = torch.tensor([list(prompt) + list(c.token_ids)])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(ids).logits[0, len(prompt) - 1 : -1].float(), -1)
+    expected = logp.gather(-1, torch.tensor(c.token_ids)[:, None]).squeeze(-1)
+    assert torch.allclose(torch.tensor(c.logprobs), expected, atol=1e-4)
+    assert engine.counters().generated_tokens == sum(len(c.token_ids) for o in outs for c in o)
+
+
+def test_same_seeds_same_samples_and_budget_cuts(setup):
+    tok, model, fmt, prompt = setup
+    engine = HFEngine(model, tok.pad_token_id)
+    req = [SamplingRequest(prompt, 4, 1.0, 1.0, 20, fmt.stop_token_ids, seed=7)]
+    assert engine.generate(req) == engine.generate(req)
+    cut = engine.generate([SamplingRequest(prompt, 4, 1.0, 1.0, 3, (), seed=7)])[0]
+    assert all(len(c.token_ids) == 3 and c.finish_reason == "length" for c in cut)
+    greedy = SamplingRequest(prompt, 2, 0.0, 1.0, 12, fmt.stop_token_ids, seed=None)
+    a, b = engine.generate([greedy])[0]
+    assert a.token_ids == b.token_ids
+
+
+def test_the_engine_leaves_the_models_mode_and_global_rng_alone(setup):
+    tok, model, fmt, prompt = setup
+    model.train()
+    state = torch.get_rng_state()
+    HFEngine(model, tok.pad_token_id).generate([SamplingRequest(prompt, 1, 1.0, 1.0, 5, fmt.stop_token_ids, seed=3)])
+    assert model.training and torch.equal(state, torch.get_rng_state())
+    model.eval()
+
+
+def test_vllm_engine_without_vllm_or_gpu_says_what_to_do():
+    from alfrl.engines import VLLMEngine
+
+    with pytest.raises(EngineError, match="data.engine.kind: hf"):
+        VLLMEngine("any-model")

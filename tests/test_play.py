@@ -1,0 +1,29 @@
+"""`alfrl play`: the expert walkthrough through the model's exact prompts, ending with the win."""
+
+import io
+import subprocess
+import sys
+
+from alfrl.play import play
+
+GAME = "valid_unseen:pick_heat_then_place_in_recep"
+
+
+def test_play_walkthrough_command_reports_the_win(data_dir, valid_games):
+    game = next(g for g in valid_games if g.id.startswith(GAME))
+    out = subprocess.run([sys.executable, "-m", "alfrl.cli", "play", game.id, "--walkthrough", "--data-dir", data_dir],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    assert "<|im_start|>system" in text and "alfworld_step" in text  # the template the model sees, tools included
+    assert text.count("<tool_call>") >= len(game.walkthrough())
+    assert "[task completed]" in text and "stop reason won, won True" in text
+
+
+def test_a_person_plays_by_typing_actions(data_dir, valid_games):
+    game = next(g for g in valid_games if g.id.startswith(GAME))
+    typed = iter(["fly away"] + game.walkthrough())
+    buf = io.StringIO()
+    traj = play(game.id, data_dir, action_format="action_tag", out=buf, read=lambda: next(typed))
+    assert traj.won and traj.invalid_actions == 1
+    assert "Status: action not admissible ('fly away' is not one of the available actions)." in buf.getvalue()
