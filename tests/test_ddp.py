@@ -64,3 +64,21 @@ def test_eval_sharded_over_two_ranks_merges_to_the_single_process_result(tmp_pat
     two = [json.loads(line) for line in merged.read_text().splitlines()]
     assert [r for r in one if r["type"] == "game"] == [r for r in two if r["type"] == "game"]
     assert one[-1] == two[-1] and two[-1]["type"] == "summary"
+
+
+def test_a_one_process_checkpoint_resumes_on_two(tmp_path, data_dir, tiny_model_dir):
+    root = tmp_path / "run"
+    env = dict(os.environ, ALFWORLD_DATA=data_dir, PYTHONPATH=str(REPO))
+    base = [sys.executable, "-m", "alfrl.cli", "fit", "--config", "recipes/tiny.yaml", "--trainer.default_root_dir", str(root),
+            "--model.model_name", tiny_model_dir, "--trainer.logger", "false", "--data.env.num_workers", "1", "--data.save_rollouts", "true"]
+    out = subprocess.run([*base, "--trainer.max_steps", "1"], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    out = subprocess.run([*base, "--trainer.max_steps", "2", "--trainer.devices", "2", "--trainer.strategy", "ddp", "--trainer.accelerator", "cpu",
+                          "--ckpt_path", str(root / "checkpoints" / "last")], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert (root / "checkpoints" / "last").read_text() == "step-000002"
+    # step 1 (one process) played games 0-1 of the shuffled list; step 2 (two ranks) games 2 and 3, one each
+    first = {json.loads(line)["game_id"] for line in (root / "rollouts" / "step-000000-rank0.jsonl").read_text().splitlines()}
+    second = [{json.loads(line)["game_id"] for line in (root / "rollouts" / f"step-000001-rank{r}.jsonl").read_text().splitlines()} for r in (0, 1)]
+    assert len(first) == 2 and all(len(s) == 1 for s in second)
+    assert not first & (second[0] | second[1]) and not second[0] & second[1]

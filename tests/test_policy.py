@@ -93,10 +93,10 @@ def test_merged_weights_are_base_plus_delta_under_hugging_face_names(policy, tin
     assert torch.allclose(plain(ids).logits, policy.model(ids).logits, atol=1e-5)
 
 
-def test_lora_targets_cover_qwen3_and_qwen35_layer_names(policy):
-    names = {n.split(".")[-1] for n, _ in policy.merged_weights()}
-    assert {"q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight"} <= {".".join(n.split(".")[-2:]) for n, _ in policy.merged_weights()}
-    assert names == {"weight"}
+def test_lora_targets_every_qwen3_projection(policy):
+    targeted = {name.split(".")[-2] for name, _ in policy.merged_weights()}
+    assert targeted == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    assert len(dict(policy.merged_weights())) == 2 * 7  # every projection of both layers, not the output layer
 
 
 def test_pack_microbatches_respects_the_budget():
@@ -112,3 +112,32 @@ def test_problems_name_the_key_and_the_fix():
     problems = AlfrlPolicy.problems({"model_name": "x", "lr": 0.0, "clip_low": 1.1, "clip_high": 0.9, "loss_aggregation": "sum"})
     text = "\n".join(problems)
     assert "model.lr=0.0" in text and "model.clip_low=1.1" in text and "model.clip_high=0.9" in text and "model.loss_aggregation='sum'" in text
+
+
+def test_qwen35_hybrid_layers_get_lora_and_chunked_logprobs(tmp_path):
+    """Qwen3.5's text model mixes Gated DeltaNet (linear_attn.in_proj_*/out_proj) and full attention layers."""
+    from transformers import AutoModelForCausalLM
+    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
+
+    from alfrl.tiny import build_tokenizer
+
+    tok = build_tokenizer()
+    cfg = Qwen3_5TextConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+                            linear_num_value_heads=4, full_attention_interval=2, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    policy = AlfrlPolicy(model_name=str(tmp_path), dtype="float32", lora_rank=4, lora_alpha=8)
+    policy.configure_model()
+    merged = dict(policy.merged_weights())
+    targeted = {name.split(".")[-2] for name in merged}
+    assert {"in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b", "out_proj", "q_proj", "o_proj", "gate_proj", "down_proj"} <= targeted
+    assert set(merged) <= set(AutoModelForCausalLM.from_pretrained(tmp_path).state_dict())
+    ids = torch.randint(0, 1000, (2, 24))
+    attention = torch.ones_like(ids)
+    target = attention.clone()
+    target[:, :3] = 0
+    chunked = selected_logprobs(policy.model, ids, attention, target, chunk_size=5)
+    full = torch.log_softmax(policy.model(input_ids=ids).logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None]).squeeze(-1)[target[:, 1:].bool()]
+    assert torch.allclose(chunked, full, atol=1e-5)
