@@ -88,6 +88,25 @@ class Engine(Protocol):
     def close(self) -> None: ...
 
 
+class InProcessEngine:
+    """Defaults for engines that sample in the trainer's own memory: nothing to sync, sleep or close."""
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Nothing to copy: the engine samples from the policy module itself."""
+
+    def counters(self) -> EngineCounters:
+        return EngineCounters(**vars(getattr(self, "_counters", EngineCounters())))
+
+    def sleep(self) -> None:
+        pass
+
+    def wake_up(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 def _batch_seed(requests: list[SamplingRequest]) -> int:
     seeds = ",".join(str(r.seed) for r in requests)
     return zlib.crc32(seeds.encode())
@@ -101,7 +120,7 @@ def _cut(token_ids: list[int], logprobs: list[float], stop_ids: tuple[int, ...],
     return Completion(tuple(token_ids[:limit]), tuple(logprobs[:limit]), "length")
 
 
-class HFEngine:
+class HFEngine(InProcessEngine):
     """transformers ``generate`` on the live policy module.
 
     ``model`` is the module itself or a callable returning it (the LightningModule's policy, so
@@ -194,20 +213,6 @@ class HFEngine:
         finally:
             model.train(was_training)
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Nothing to copy: the engine samples from the policy module itself."""
-
-    def counters(self) -> EngineCounters:
-        return EngineCounters(**vars(self._counters))
-
-    def sleep(self) -> None:
-        pass
-
-    def wake_up(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
 
 class VLLMEngine:

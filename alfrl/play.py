@@ -9,18 +9,18 @@ completion. With ``--walkthrough`` the expert actions are typed for you.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 from alfrl import protocol
 from alfrl.chat import ChatFormat, chat_format
-from alfrl.engines import Completion, EngineCounters, SamplingRequest
+from alfrl.engines import Completion, InProcessEngine, SamplingRequest
 from alfrl.envs import EnvPool
 from alfrl.games import find_game
 from alfrl.rewards import RewardConfig
 from alfrl.rollout import RolloutConfig, RolloutRunner, Trajectory
 
 
-class ConsoleEngine:
+class ConsoleEngine(InProcessEngine):
     """Shows each prompt's new tokens as text and answers with an action from ``next_action``."""
 
     name = "console"
@@ -50,21 +50,6 @@ class ConsoleEngine:
 
     def score(self, sequences):
         raise NotImplementedError("the console engine does not score")
-
-    def update_weights(self, named_tensors: Iterable) -> None:
-        pass
-
-    def counters(self) -> EngineCounters:
-        return EngineCounters()
-
-    def sleep(self) -> None:
-        pass
-
-    def wake_up(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
 
 def _tokenizer(model: str | None):

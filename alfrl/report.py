@@ -107,34 +107,25 @@ def charts(runs: list[tuple[str, dict]], out: Path) -> list[Path]:
         ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
         ax.grid(axis="y", alpha=0.3)
 
-    fig, ax = plt.subplots(figsize=(7, 4))
-    groups = ["valid_seen", "valid_unseen", "overall"]
-    values = [[(s["splits"].get(g) or {"success_rate": 0.0})["success_rate"] if g != "overall" else s["overall"]["success_rate"] for g in groups] for _, s in runs]
-    bars(ax, groups, values, "success rate (%)", True)
-    ax.set_title("Success by split")
-    fig.tight_layout()
-    files.append(out / "success_by_split.png")
-    fig.savefig(files[-1], dpi=120)
-    plt.close(fig)
+    def chart(name: str, title: str, size, groups: list[str], values, ylabel: str, percent: bool) -> None:
+        fig, ax = plt.subplots(figsize=size)
+        bars(ax, groups, values, ylabel, percent)
+        ax.set_title(title)
+        fig.tight_layout()
+        files.append(out / name)
+        fig.savefig(files[-1], dpi=120)
+        plt.close(fig)
 
-    fig, ax = plt.subplots(figsize=(10, 4.5))
+    def split_values(key: str) -> list[list[float]]:
+        blocks = lambda s: [s["splits"].get("valid_seen"), s["splits"].get("valid_unseen"), s["overall"]]  # noqa: E731
+        return [[(b or {key: 0.0})[key] for b in blocks(s)] for _, s in runs]
+
+    splits = ["valid_seen", "valid_unseen", "overall"]
     short = [t.replace("_then_place_in_recep", "").replace("_and_place", "").replace("pick_", "") for t in TASK_TYPES]
-    values = [[_task_rate(s, t, None) or 0.0 for t in TASK_TYPES] for _, s in runs]
-    bars(ax, short, values, "success rate (%)", True)
-    ax.set_title("Success by task type (all splits)")
-    fig.tight_layout()
-    files.append(out / "success_by_task.png")
-    fig.savefig(files[-1], dpi=120)
-    plt.close(fig)
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    values = [[(s["splits"].get(g) or {"mean_invalid_actions": 0.0})["mean_invalid_actions"] if g != "overall" else s["overall"]["mean_invalid_actions"] for g in groups] for _, s in runs]
-    bars(ax, groups, values, "invalid actions per episode", False)
-    ax.set_title("Invalid actions")
-    fig.tight_layout()
-    files.append(out / "invalid_actions.png")
-    fig.savefig(files[-1], dpi=120)
-    plt.close(fig)
+    chart("success_by_split.png", "Success by split", (7, 4), splits, split_values("success_rate"), "success rate (%)", True)
+    chart("success_by_task.png", "Success by task type (all splits)", (10, 4.5), short,
+          [[_task_rate(s, t, None) or 0.0 for t in TASK_TYPES] for _, s in runs], "success rate (%)", True)
+    chart("invalid_actions.png", "Invalid actions", (7, 4), splits, split_values("mean_invalid_actions"), "invalid actions per episode", False)
     return files
 
 

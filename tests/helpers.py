@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 from alfrl import protocol
 from alfrl.chat import ChatFormat
-from alfrl.engines import Completion, EngineCounters, SamplingRequest
+from alfrl.engines import Completion, InProcessEngine, SamplingRequest
 
 _PLAN = re.compile(r"plan (\d+)\.")
 _STEP = re.compile(r"You are now at step (\d+)\.")
@@ -18,7 +18,7 @@ RAW = "RAW:"
 """A script entry starting with this is used as the completion text itself (e.g. a malformed answer)."""
 
 
-class ScriptedEngine:
+class ScriptedEngine(InProcessEngine):
     """Trajectory k of a group plays ``scripts[k]`` (a list of completion texts or actions).
 
     The first completion of trajectory k starts with the marker ``plan k.``; later requests find k
@@ -83,21 +83,6 @@ class ScriptedEngine:
 
     def score(self, sequences):
         return [[0.0] * len(s) for s in sequences]
-
-    def update_weights(self, named_tensors) -> None:
-        pass
-
-    def counters(self) -> EngineCounters:
-        return EngineCounters()
-
-    def sleep(self) -> None:
-        pass
-
-    def wake_up(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
 
 class WalkthroughEngine(ScriptedEngine):
