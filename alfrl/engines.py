@@ -73,9 +73,6 @@ class Engine(Protocol):
     def generate(self, requests: list[SamplingRequest]) -> list[list[Completion]]:
         """``n`` completions per request, in request order."""
 
-    def score(self, sequences: list[list[int]]) -> list[list[float]]:
-        """Log-probability of every token of each sequence given the ones before (first token: 0.0)."""
-
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load new weights (Hugging Face parameter names) into the sampler."""
 
@@ -196,24 +193,6 @@ class HFEngine(InProcessEngine):
             self._counters.generated_tokens += len(c.token_ids)
         return completions
 
-    @torch.no_grad()
-    def score(self, sequences: list[list[int]]) -> list[list[float]]:
-        from alfrl.logprobs import sequence_logprobs
-
-        model = self.model
-        was_training = model.training
-        model.eval()
-        try:
-            out = []
-            for seq in sequences:
-                ids = torch.tensor([seq], device=model.device)
-                lp = sequence_logprobs(model, ids, torch.ones_like(ids))[0]
-                out.append([0.0] + lp.tolist())
-            return out
-        finally:
-            model.train(was_training)
-
-
 
 class VLLMEngine:
     """A vLLM ``LLM`` in the trainer's own process, on token prompts, with prefix caching.
@@ -305,20 +284,6 @@ class VLLMEngine:
                 completions.append(Completion(tuple(ids), lps, "length" if c.finish_reason == "length" else "stop"))
             result.append(completions)
         return result
-
-    def score(self, sequences: list[list[int]]) -> list[list[float]]:
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-
-        params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False, temperature=1.0)
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(s)) for s in sequences], params, use_tqdm=False)
-        scores = []
-        for seq, out in zip(sequences, outputs):
-            row = [0.0]
-            for tok, step in zip(seq[1:], out.prompt_logprobs[1:]):
-                row.append(float(step[tok].logprob))
-            scores.append(row)
-        return scores
 
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -48,9 +48,6 @@ class ConsoleEngine(InProcessEngine):
             results.append([Completion(tuple(ids), tuple([0.0] * len(ids)), "stop") for _ in range(r.n)])
         return results
 
-    def score(self, sequences):
-        raise NotImplementedError("the console engine does not score")
-
 
 def _tokenizer(model: str | None):
     if model:

@@ -50,6 +50,10 @@ class RolloutConfig:
     max_episode_steps: int = 50
     max_trajectory_tokens: int = 12000
     max_assistant_tokens: int = 2048
+    stop_strings: tuple[str, ...] = ()
+    """End a completion right after the first of these texts (e.g. ``</action>`` for models that keep
+    writing imagined observations after their action). The completion keeps exactly the sampled
+    tokens up to the one that completes the text, as if sampling had stopped there."""
 
     def problems(self, prefix: str = "data.rollout") -> list[str]:
         out = []
@@ -220,6 +224,27 @@ def _state_key(state: EnvState) -> str:
     return hashlib.sha1((state.observation + "\x00" + "\x00".join(state.admissible)).encode()).hexdigest()[:16]
 
 
+def cut_at_stop_strings(c: Completion, stop_strings: tuple[str, ...], fmt: ChatFormat) -> Completion:
+    """``c`` cut after the token that completes the first stop string (``c`` itself if none occurs)."""
+    if not stop_strings:
+        return c
+    ids = list(c.token_ids)
+    text = fmt.completion_text(ids)
+    if not any(s in text for s in stop_strings):
+        return c
+    lo, hi = 1, len(ids)  # the smallest k whose decoded prefix contains a stop string
+    while lo < hi:
+        mid = (lo + hi) // 2
+        prefix = fmt.tokenizer.decode(ids[:mid], skip_special_tokens=False)
+        if any(s in prefix for s in stop_strings):
+            hi = mid
+        else:
+            lo = mid + 1
+    if lo >= len(ids):
+        return c
+    return Completion(tuple(ids[:lo]), tuple(c.logprobs[:lo]), "stop")
+
+
 def request_seed(seed: int, game_id: str, index: int, turn: int) -> int:
     """A per-request seed that depends only on the run seed, the game, the trajectory and the turn."""
     return zlib.crc32(f"{seed}|{game_id}|{index}|{turn}".encode()) & 0x7FFFFFFF
@@ -304,6 +329,7 @@ class RolloutRunner:
                 if len(outs) != len(trajs):
                     raise RuntimeError(f"engine returned {len(outs)} completions for {len(trajs)} trajectories")
                 for t, c in zip(trajs, outs):
+                    c = cut_at_stop_strings(c, cfg.stop_strings, self.fmt)
                     text = self.fmt.completion_text(list(c.token_ids))
                     parsed = protocol.ParsedAction(None, "cut off by the token limit") if c.finish_reason == "length" else protocol.parse_completion(text, cfg.action_format)
                     planned.append((t, c, parsed))

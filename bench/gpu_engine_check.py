@@ -72,7 +72,8 @@ def main() -> None:
 
     greedy = SamplingRequest(tuple(prompt), n=1, temperature=0.0, top_p=1.0, max_new_tokens=32, stop_token_ids=fmt.stop_token_ids, seed=0)
     before = vl.generate([greedy])[0][0].token_ids
-    before_probe = vl.score([probe])[0]
+    probe_request = SamplingRequest(tuple(probe), n=1, temperature=1.0, top_p=1.0, max_new_tokens=16, stop_token_ids=(), seed=0)
+    before_probe = vl.generate([probe_request])[0][0].logprobs
     torch.manual_seed(1)
     with torch.no_grad():
         for name, p in policy.model.named_parameters():
@@ -83,9 +84,9 @@ def main() -> None:
     vl.update_weights(policy.merged_weights())
     report["update_weights_seconds"] = time.perf_counter() - start
     after = vl.generate([greedy])[0][0].token_ids
-    after_probe = vl.score([probe])[0]
+    after_probe = vl.generate([probe_request])[0][0].logprobs
     report["greedy_output_changed_after_update"] = before != after
-    report["probe_logprobs_changed_after_update"] = sum(abs(a - b) for a, b in zip(before_probe, after_probe)) / len(probe)
+    report["probe_logprobs_changed_after_update"] = sum(abs(a - b) for a, b in zip(before_probe, after_probe)) / len(before_probe)
     report["probe_diff_after_update"] = probe_difference(vl, policy, probe)
     report["counters_delta_after_update"] = vars(vl.counters().minus(counters_before))
 

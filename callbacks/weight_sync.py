@@ -1,9 +1,11 @@
 """Push the policy's weights into the sampling engine after every update, and check they arrived.
 
 A sync that silently does nothing would make every rollout come from the initial policy. So after
-each sync the engine scores a fixed probe sequence and its log-probs are compared with the
-trainer's: the mean absolute difference is logged (``sync/probe_abs_logprob_diff``) and must stay
-below ``data.engine.sync_check_tolerance``, or the run stops with an error.
+each sync the engine samples a short continuation of a fixed probe prompt, exactly as in a rollout,
+and the log-probs it reports for those tokens are compared with the trainer's for the same tokens:
+the mean absolute difference is logged (``sync/probe_abs_logprob_diff``) and must stay below
+``data.engine.sync_check_tolerance``, or the run stops with an error. (The probe samples rather than
+asking vLLM for prompt log-probs, so it uses the rollout's own code path.)
 """
 
 from __future__ import annotations
@@ -58,8 +60,11 @@ class SamplerWeightSync(L.Callback):
         return self.last
 
 
-def probe_difference(engine, policy, probe: list[int]) -> float:
-    """Mean |engine - trainer| log-prob over the probe's tokens (after the first)."""
-    engine_lp = engine.score([probe])[0][1:]
-    trainer_lp = policy.score(probe)[1:]
-    return sum(abs(a - b) for a, b in zip(engine_lp, trainer_lp)) / max(len(trainer_lp), 1)
+def probe_difference(engine, policy, probe: list[int], tokens: int = 16) -> float:
+    """Mean |engine - trainer| log-prob of ``tokens`` tokens the engine samples after ``probe``."""
+    from alfrl.engines import SamplingRequest
+
+    request = SamplingRequest(tuple(probe), n=1, temperature=1.0, top_p=1.0, max_new_tokens=tokens, stop_token_ids=(), seed=0)
+    (completion,), = engine.generate([request])
+    trainer = policy.score(list(probe) + list(completion.token_ids))[len(probe) :]
+    return sum(abs(a - b) for a, b in zip(completion.logprobs, trainer)) / max(len(trainer), 1)

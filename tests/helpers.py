@@ -81,9 +81,6 @@ class ScriptedEngine(InProcessEngine):
             out.append([self._completion(k, turn, r.max_new_tokens)])
         return out
 
-    def score(self, sequences):
-        return [[0.0] * len(s) for s in sequences]
-
 
 class WalkthroughEngine(ScriptedEngine):
     """Plays each game's expert walkthrough, games taken in order (evaluate with games_per_chunk=1)."""

@@ -178,3 +178,27 @@ def test_tiny_model_rollout_through_the_hf_engine_round_trips_jsonl(valid_games,
     metrics = rollout_metrics(groups)
     assert metrics["rollout/trajectories"] == 6.0
     assert sum(metrics[f"rollout/stop/{r}"] for r in ("won", "env_done", "max_steps", "trajectory_too_long", "env_error")) == pytest.approx(1.0)
+
+
+def test_stop_strings_cut_a_completion_after_its_action(valid_games, tiny_tokenizer):
+    from alfrl.engines import Completion
+    from alfrl.rollout import cut_at_stop_strings
+
+    fmt = chat_format(tiny_tokenizer, "action_tag")
+    text = "<think>the desk</think><action>go to desk 1</action>\n<observation>You arrive at desk 1.</observation><action>look"
+    ids = fmt.encode(text)
+    c = Completion(tuple(ids), tuple(-0.1 * (i + 1) for i in range(len(ids))), "length")
+    cut = cut_at_stop_strings(c, ("</action>",), fmt)
+    assert fmt.completion_text(list(cut.token_ids)).endswith("</action>")
+    assert fmt.completion_text(list(cut.token_ids)) == "<think>the desk</think><action>go to desk 1</action>"
+    assert cut.token_ids == c.token_ids[: len(cut.token_ids)] and cut.logprobs == c.logprobs[: len(cut.token_ids)]
+    assert cut.finish_reason == "stop"
+    assert cut_at_stop_strings(c, (), fmt) is c and cut_at_stop_strings(c, ("</never>",), fmt) is c
+    # in a rollout the cut answer is a valid action and the episode goes on from it
+    game = next(g for g in valid_games if g.id == GAME)
+    engine = ScriptedEngine(fmt, [[RAW + "<think>x</think><action>" + a + "</action> and then I will" for a in WALK]] * 2)
+    cfg = RolloutConfig(action_format="action_tag", max_episode_steps=4, max_assistant_tokens=200, stop_strings=("</action>",))
+    with EnvPool(num_workers=1) as pool:
+        (group,) = RolloutRunner(engine, pool, fmt, cfg, RewardConfig()).run([game], 2, seed=0)
+    assert all(t.won and t.invalid_actions == 0 for t in group.trajectories)
+    assert all(turn.completion_text.endswith("</action>") for t in group.trajectories for turn in t.turns)
