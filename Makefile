@@ -33,8 +33,11 @@ data: setup
 	elif [ -n "$(ARCHIVE)" ]; then $(ALFRL) data prepare --data-dir "$(DATA_DIR)" --archive "$(ARCHIVE)"; \
 	else $(ALFRL) data prepare --data-dir "$(DATA_DIR)" --download; fi
 
-tiny-model: setup
-	@test -f $(TINY_MODEL)/config.json || $(ALFRL) tiny-model $(TINY_MODEL)
+tiny-model: setup $(TINY_MODEL)/config.json
+
+# rebuilt when the code or the corpus that make it change
+$(TINY_MODEL)/config.json: alfrl/tiny.py alfrl/assets/alfworld_corpus.txt
+	rm -rf $(TINY_MODEL) && $(ALFRL) tiny-model $(TINY_MODEL)
 
 test: setup data tiny-model
 	ALFRL_TINY_MODEL=$(abspath $(TINY_MODEL)) $(PY) -m pytest -q -rs $(PYTEST_ARGS)

@@ -9,7 +9,6 @@ games; a group never spans ranks, so advantages stay exact.
 
 from __future__ import annotations
 
-import logging
 import os
 import time
 import zlib
@@ -28,8 +27,6 @@ from alfrl.evaluation import EvalConfig
 from alfrl.games import Game, discover_games, shuffled
 from alfrl.rewards import RewardConfig
 from alfrl.rollout import RolloutConfig, RolloutProgress, RolloutRunner, TrajectoryGroup, rollout_metrics
-
-log = logging.getLogger(__name__)
 
 ENGINE_KINDS = ("hf", "vllm")
 
@@ -211,7 +208,6 @@ class RolloutDataModule(L.LightningDataModule):
         )
 
     def setup(self, stage: str) -> None:
-        rank, world = self._rank_world()
         self.train_games = shuffled(discover_games(self.data_dir, [self.train_split]), self.seed)
         self.connect(self.trainer.lightning_module)
         bar = getattr(self.trainer, "progress_bar_callback", None)
@@ -316,22 +312,24 @@ class RolloutDataModule(L.LightningDataModule):
             records = [r for part in gathered for r in part]
         return summarize(records)
 
+    SUMMED_METRICS = ("rollout/trajectories", "rollout/failed_groups", "rollout/degenerate_groups", "rollout/dropped_groups")
+    LOCAL_METRICS = ("rollout/seconds",)
+
     def _reduce_metrics(self, metrics: dict[str, float], groups: list[TrajectoryGroup]) -> dict[str, float]:
-        """Global metrics over all ranks: means weighted by each rank's trajectories, counts summed."""
-        rank, world = self._rank_world()
+        """Global metrics over all ranks: counts summed, rates weighted by each rank's trajectories
+        (rollout seconds stay this rank's)."""
+        _, world = self._rank_world()
         if world <= 1:
             return metrics
         n = float(sum(len(g.trajectories) for g in groups))
-        keys = sorted(metrics)
-        summed = {"rollout/trajectories", "rollout/failed_groups", "rollout/degenerate_groups", "rollout/dropped_groups"}
-        values = torch.tensor([metrics[k] if (k in summed or k.startswith("tokens/")) else metrics[k] * n for k in keys] + [n], dtype=torch.float64)
+        keys = sorted(k for k in metrics if k not in self.LOCAL_METRICS)
+        summed = {k for k in keys if k in self.SUMMED_METRICS or k.startswith("tokens/")}
+        values = torch.tensor([metrics[k] if k in summed else metrics[k] * n for k in keys] + [n], dtype=torch.float64)
         strategy = self.trainer.strategy
-        values = strategy.reduce(values.to(strategy.root_device), reduce_op="sum").cpu()
-        total = max(float(values[-1]), 1.0)
-        out = {}
-        for k, v in zip(keys, values[:-1].tolist()):
-            out[k] = v if (k in summed or k.startswith("tokens/")) else v / total
-        out["rollout/seconds"] = metrics["rollout/seconds"]
+        values = strategy.reduce(values.to(strategy.root_device), reduce_op="sum").cpu().tolist()
+        total = max(values[-1], 1.0)
+        out = {k: v if k in summed else v / total for k, v in zip(keys, values[:-1])}
+        out.update({k: metrics[k] for k in self.LOCAL_METRICS if k in metrics})
         return out
 
 

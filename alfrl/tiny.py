@@ -104,7 +104,7 @@ def _synthetic_turns(tokenizer, rng, count: int) -> list[tuple[list[int], int]]:
         action_format = rng.choice(protocol.ACTION_FORMATS)
         shown = sorted(set(rng.sample(actions, 6))) + ["inventory", "look"]
         target = rng.choice(["look", "inventory", rng.choice(shown)])
-        user = f"Your task is to: put a clean mug in coffeemachine.\n\nStep 1 of 50.\nObservation: You are in the middle of a room.\nAvailable actions:\n" + "\n".join(shown)
+        user = "Your task is to: put a clean mug in coffeemachine.\n\nStep 1 of 50.\nObservation: You are in the middle of a room.\nAvailable actions:\n" + "\n".join(shown)
         messages = [{"role": "system", "content": protocol.system_prompt(action_format)}, {"role": "user", "content": user}]
         tools = [protocol.TOOL_SCHEMA] if action_format == "tool_call" else None
         prompt = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)

@@ -18,7 +18,6 @@ class RecordRank(L.Callback):
         for name, tensor in sorted(pl_module.adapter_state().items()):
             h.update(name.encode())
             h.update(tensor.numpy().tobytes())
-        dm = trainer.datamodule
         record = {"rank": trainer.global_rank, "step": trainer.global_step, "lora": h.hexdigest(), "world": trainer.world_size}
         path = Path(self.out) / f"rank{trainer.global_rank}.jsonl"
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,5 @@
 """Evaluation: exact summaries, resumable output, the walkthrough wins, the tiny model end to end, reports."""
 
-import dataclasses
 import json
 import os
 import subprocess

@@ -3,8 +3,6 @@
 import hashlib
 from pathlib import Path
 
-import pytest
-import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from alfrl.tiny import write_tiny_model
