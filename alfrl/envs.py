@@ -235,9 +235,6 @@ class EnvPool:
                 except (OSError, EOFError):
                     break
 
-    def failure_of(self, env_id: int) -> str | None:
-        return self._envs[env_id].failed
-
     # -- running commands
     def run(self, ops: list[EnvOp]) -> list[EnvState | EnvFailure]:
         """Run ``ops`` concurrently (in order per environment); one result per op, in op order."""

@@ -93,7 +93,7 @@ class WalkthroughEngine(ScriptedEngine):
     def generate(self, requests: list[SamplingRequest]) -> list[list[Completion]]:
         (r,) = requests
         text = self.fmt.tokenizer.decode(list(r.prompt_ids), skip_special_tokens=False)
-        if "<|im_start|>assistant" not in text.rsplit("<|im_start|>assistant", 1)[0] and "plan 0." not in text:
-            self.current += 1  # a new game's opening prompt
+        if text.count("<|im_start|>assistant") == 1:
+            self.current += 1  # a new game's opening prompt (no completion in it yet)
             self.scripts = [self.games[self.current].walkthrough()]
         return super().generate(requests)
