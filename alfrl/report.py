@@ -3,6 +3,11 @@
 Writes ``report.md`` (seen / unseen / overall success, wins, mean reward, invalid actions, and
 per-task-type success with the change from the first run) and three PNG charts: success by split,
 success by task type, invalid actions per episode.
+
+With ``--train-log RUN_DIR`` (a training run's ``default_root_dir``, or its ``metrics.csv`` files) it
+also writes the training curves from the run's CSV logs: ``training.csv`` (one row per update: rollout
+reward, success and invalid actions; later logs win for a step logged twice, as after a resume) and
+``training_curves.png``.
 """
 
 from __future__ import annotations
@@ -129,11 +134,95 @@ def charts(runs: list[tuple[str, dict]], out: Path) -> list[Path]:
     return files
 
 
+TRAIN_COLUMNS = {
+    "reward": "rollout/reward_mean",
+    "success": "rollout/success_rate",
+    "invalid_actions": "rollout/invalid_actions_mean",
+    "trajectories": "rollout/trajectories",
+    "dropped_groups": "rollout/dropped_groups",
+    "seconds_rollout": "rollout/seconds",
+    "seconds_update": "train/update_seconds",
+}
+
+
+def _log_order(f: Path) -> tuple[int, float, str]:
+    """CSVLogger's version_N folders in N order (a resume writes the next version)."""
+    import re
+
+    m = re.fullmatch(r"version_(\d+)", f.parent.name)
+    return (int(m.group(1)) if m else -1, f.stat().st_mtime, str(f))
+
+
+def training_rows(sources: list[str]) -> list[dict]:
+    """One row per update step from CSVLogger files (``RUN_DIR/**/metrics.csv`` or the files themselves)."""
+    import csv
+
+    files: list[Path] = []
+    for src in sources:
+        p = Path(src)
+        if p.is_dir():
+            files += sorted(p.rglob("metrics.csv"), key=_log_order)
+        elif p.is_file():
+            files.append(p)
+        else:
+            raise SystemExit(f"alfrl report: --train-log {src} is neither a run folder nor a metrics.csv file")
+    if not files:
+        raise SystemExit(f"alfrl report: no metrics.csv under {', '.join(sources)}: give the run's trainer.default_root_dir "
+                         "(its CSVLogger writes <dir>/csv/version_N/metrics.csv)")
+    by_step: dict[int, dict] = {}
+    for f in files:  # oldest first, so a resumed run's rows replace the ones it redid
+        with open(f, newline="") as fh:
+            for rec in csv.DictReader(fh):
+                if not rec.get("step") or not rec.get(TRAIN_COLUMNS["reward"]):
+                    continue
+                row = {"step": int(float(rec["step"]))}
+                for name, col in TRAIN_COLUMNS.items():
+                    value = rec.get(col)
+                    row[name] = float(value) if value not in (None, "") else None
+                by_step[row["step"]] = row
+    return [by_step[k] for k in sorted(by_step)]
+
+
+def training_outputs(rows: list[dict], out: Path) -> list[Path]:
+    import csv
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    table = out / "training.csv"
+    with open(table, "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=["step", *TRAIN_COLUMNS])
+        writer.writeheader()
+        writer.writerows(rows)
+    steps = [r["step"] + 1 for r in rows]  # update number (1-based)
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    for ax, key, label in zip(axes, ("reward", "success", "invalid_actions"),
+                              ("mean reward", "success rate (%)", "invalid actions / trajectory")):
+        values = [None if r[key] is None else (100 * r[key] if key == "success" else r[key]) for r in rows]
+        ax.plot(steps, values, marker="o", markersize=3)
+        if key == "success":
+            ax.set_ylim(-2, 102)
+        ax.xaxis.get_major_locator().set_params(integer=True)
+        ax.set_xlabel("update")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"Training rollouts ({len(rows)} updates)")
+    fig.tight_layout()
+    png = out / "training_curves.png"
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+    return [table, png]
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="alfrl report", description="Compare alfrl eval results side by side.")
     parser.add_argument("results", nargs="+", help="alfrl eval output files (.jsonl); the first is the baseline")
     parser.add_argument("--names", nargs="+", default=None)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--train-log", nargs="+", default=None, metavar="RUN_DIR_OR_CSV",
+                        help="also plot the training curves of this run (its default_root_dir or metrics.csv files)")
     args = parser.parse_args(argv)
     runs = load_runs(args.results, args.names)
     out = Path(args.out)
@@ -141,6 +230,8 @@ def main(argv: list[str]) -> int:
     (out / "report.md").write_text(markdown(runs))
     (out / "summaries.json").write_text(json.dumps({name: s for name, s in runs}, indent=2))
     files = charts(runs, out)
+    if args.train_log:
+        files += training_outputs(training_rows(args.train_log), out)
     print(markdown(runs))
     print("written: " + ", ".join(str(p) for p in [out / "report.md", out / "summaries.json", *files]))
     return 0

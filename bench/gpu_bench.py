@@ -31,8 +31,12 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--eval-out", default=None)
     parser.add_argument("--completion-tokens", type=int, default=100)
+    parser.add_argument("--eval-completion-tokens", type=int, default=None, help="forced completion length in the eval (default: --completion-tokens)")
+    parser.add_argument("--eval-games-per-chunk", type=int, default=274,
+                        help="games played together in the eval (fewer keeps all their KV cache resident)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.35)
     parser.add_argument("--skip", nargs="*", default=[])
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs / torch.compile (faster start)")
     args = parser.parse_args()
 
     from alfrl.advantages import Sample
@@ -50,16 +54,20 @@ def main() -> None:
     t0 = time.perf_counter()
     policy = AlfrlPolicy(model_name=args.model, dtype="bfloat16", lora_rank=32, lora_alpha=64, gradient_checkpointing=True,
                          microbatch_tokens=12288, lr=1e-6)
-    policy.configure_model()
-    policy.to("cuda")
-    report["policy_load_seconds"] = time.perf_counter() - t0
-    n_params = sum(p.numel() for p in policy.model.parameters())
-    embed = policy.model.get_base_model().get_input_embeddings().weight.numel()
-    report["parameters"] = n_params
+    if "update" not in args.skip:  # the trainer's copy is only needed for the update
+        policy.configure_model()
+        policy.to("cuda")
+        report["policy_load_seconds"] = time.perf_counter() - t0
+        n_params = sum(p.numel() for p in policy.model.parameters())
+        embed = policy.model.get_base_model().get_input_embeddings().weight.numel()
+        report["parameters"] = n_params
     tok = policy.load_tokenizer()
     fmt = chat_format(tok, "tool_call")
     t0 = time.perf_counter()
-    engine = VLLMEngine(args.model, gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=12288, dtype="bfloat16", seed=0)
+    engine = VLLMEngine(args.model, gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=12288, dtype="bfloat16", seed=0,
+                        enforce_eager=args.enforce_eager)
+    report["enforce_eager"] = args.enforce_eager
+    report["gpu_memory_utilization"] = args.gpu_memory_utilization
     report["vllm_start_seconds"] = time.perf_counter() - t0
     forced = args.completion_tokens
     # random weights almost never sample a stop token: completions run to max_assistant_tokens
@@ -132,7 +140,8 @@ def main() -> None:
             json.dump(report, open(args.out, "w"), indent=2)
 
         if "eval" not in args.skip:
-            ecfg = EvalConfig(max_assistant_tokens=forced, games_per_chunk=274)
+            eval_forced = args.eval_completion_tokens or forced
+            ecfg = EvalConfig(max_assistant_tokens=eval_forced, games_per_chunk=args.eval_games_per_chunk)
             erunner = RolloutRunner(engine, pool, fmt, ecfg.rollout_config(cfg), RewardConfig())
             games = eval_games(args.data_dir, ecfg.splits, None)
             c0 = engine.counters()
@@ -141,7 +150,7 @@ def main() -> None:
             seconds = time.perf_counter() - t0
             c = engine.counters().minus(c0)
             report["eval"] = {
-                "games": len(games), "seconds": seconds, "generated_tokens": c.generated_tokens, "prompt_tokens": c.prompt_tokens,
+                "games": len(games), "games_per_chunk": args.eval_games_per_chunk, "completion_tokens": eval_forced, "seconds": seconds, "generated_tokens": c.generated_tokens, "prompt_tokens": c.prompt_tokens,
                 "cached_prompt_tokens": c.cached_prompt_tokens, "generated_tokens_per_second": c.generated_tokens / seconds,
                 "overall": summary["overall"],
             }

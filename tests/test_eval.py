@@ -150,3 +150,37 @@ def test_report_of_hand_made_runs(tmp_path):
     assert "| base | 66.67% | 0.00% | 50.00% | 2/4 |" in table
     assert "| trained | 100.00% (+33.33) | 100.00% (+100.00) | 100.00% (+50.00) | 4/4 |" in table
     assert "| look_at_obj_in_light | 50.00% | 100.00% (+50.00) |" in table
+
+
+def test_report_training_curves_merge_a_resumed_run(tmp_path):
+    """Rows of both CSV versions, the resumed run's row winning for a step logged twice; the PNG is drawn."""
+    from alfrl.report import main as report_main, training_rows
+
+    header = "epoch,rollout/invalid_actions_mean,rollout/reward_mean,rollout/success_rate,rollout/trajectories,step,train/loss\n"
+    v0 = tmp_path / "run" / "csv" / "version_0"
+    v1 = tmp_path / "run" / "csv" / "version_1"
+    v0.mkdir(parents=True)
+    v1.mkdir(parents=True)
+    (v0 / "metrics.csv").write_text(header + "0,3.0,-0.3,0.0,64,0,\n0,,,,,0,0.5\n0,2.0,-0.1,0.125,64,1,\n")
+    (v1 / "metrics.csv").write_text(header + "0,1.5,0.05,0.25,64,1,\n0,1.0,0.2,0.375,64,2,\n")
+    rows = training_rows([str(tmp_path / "run")])
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert [r["reward"] for r in rows] == [-0.3, 0.05, 0.2]
+    assert [r["success"] for r in rows] == [0.0, 0.25, 0.375]
+    assert [r["invalid_actions"] for r in rows] == [3.0, 1.5, 1.0]
+
+    result = tmp_path / "result.jsonl"
+    header_rec = {"type": "header", "config": {}, "config_hash": "x", "games": ["g"]}
+    game = {"type": "game", "game_id": "g", "split": "valid_seen", "task_type": "pick_and_place_simple", "won": True,
+            "steps": 3, "invalid_actions": 0, "reward": 1.0, "stop_reason": "won", "turns": []}
+    from alfrl.evaluation import summarize
+
+    lines = [header_rec, game, summarize([game])]
+    result.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    out = tmp_path / "report"
+    assert report_main([str(result), "--out", str(out), "--train-log", str(tmp_path / "run")]) == 0
+    assert (out / "training.csv").read_text().splitlines()[0].startswith("step,reward,success,invalid_actions")
+    assert len((out / "training.csv").read_text().splitlines()) == 4
+    assert (out / "training_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(SystemExit, match="no metrics.csv"):
+        training_rows([str(tmp_path / "report")])
