@@ -67,3 +67,18 @@ def test_vllm_engine_without_vllm_or_gpu_says_what_to_do():
 
     with pytest.raises(EngineError, match="data.engine.kind: hf"):
         VLLMEngine("any-model")
+
+
+def test_vllm_counters_read_cached_prompt_tokens_not_cache_queries():
+    """The figures of the H200 rollout: prompt_tokens_cached is the token count; prefix_cache_hits is not."""
+    from types import SimpleNamespace as M
+
+    from alfrl.engines import counters_from_metrics
+
+    seen = [M(name="vllm:prefix_cache_queries", value=34568), M(name="vllm:prefix_cache_hits", value=31920),
+            M(name="vllm:prompt_tokens", value=16469304), M(name="vllm:prompt_tokens_cached", value=15979696),
+            M(name="vllm:generation_tokens", value=265550), M(name="vllm:time_to_first_token_seconds", value=None)]
+    c = counters_from_metrics(seen)
+    assert (c.prompt_tokens, c.cached_prompt_tokens, c.generated_tokens) == (16469304, 15979696, 265550)
+    older = [M(name="vllm:prompt_tokens", value=100), M(name="vllm:prefix_cache_hits", value=60)]
+    assert counters_from_metrics(older).cached_prompt_tokens == 60
