@@ -196,7 +196,7 @@ class RolloutDataModule(L.LightningDataModule):
             return HFEngine(lambda: policy.model, tokenizer.pad_token_id, cfg.max_batch_rows)
         from alfrl.models import hf_folder_for
 
-        rank = int(os.environ.get("LOCAL_RANK", 0))
+        rank = int(os.environ.get("LOCAL_RANK", "0"))
         return VLLMEngine(
             hf_folder_for(policy.hparams.model_name, policy.hparams.gguf_file),
             gpu_memory_utilization=cfg.gpu_memory_utilization,

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from pathlib import Path
 
 import torch
 
@@ -92,7 +93,7 @@ def main() -> None:
                 "metrics": rollout_metrics(groups),
             }
             print(json.dumps(report["rollout"], indent=2), flush=True)
-            json.dump(report, open(args.out, "w"), indent=2)
+            Path(args.out).write_text(json.dumps(report, indent=2))
 
         if "update" not in args.skip:
             g = torch.Generator().manual_seed(0)
@@ -137,7 +138,7 @@ def main() -> None:
             free_after, _ = torch.cuda.mem_get_info()
             report["update"]["gpu_used_after_update_gib"] = (total - free_after) / 2**30
             print(json.dumps(report["update"], indent=2), flush=True)
-            json.dump(report, open(args.out, "w"), indent=2)
+            Path(args.out).write_text(json.dumps(report, indent=2))
 
         if "eval" not in args.skip:
             eval_forced = args.eval_completion_tokens or forced
