@@ -50,7 +50,7 @@ def _distributed() -> tuple[int, int]:
 
 def _merge(parts: list[Path], games: list, out: Path, config: dict) -> dict:
     """One result file from the ranks' files, games in the evaluation's order."""
-    from alfrl.evaluation import config_hash, read_results, summarize
+    from alfrl.evaluation import read_results, results_header, summarize, write_results
 
     records = {}
     for part in parts:
@@ -58,12 +58,7 @@ def _merge(parts: list[Path], games: list, out: Path, config: dict) -> dict:
         records.update({r["game_id"]: r for r in part_games})
     ordered = [records[g.id] for g in games]
     summary = summarize(ordered)
-    header = {"type": "header", "config": config, "config_hash": config_hash(config), "games": [g.id for g in games], "ranks": len(parts)}
-    tmp = out.with_suffix(out.suffix + ".tmp")
-    with open(tmp, "w") as f:
-        for rec in [header, *ordered, summary]:
-            f.write(json.dumps(rec) + "\n")
-    tmp.replace(out)
+    write_results(out, results_header(config, [g.id for g in games], ranks=len(parts)), ordered, summary)
     return summary
 
 

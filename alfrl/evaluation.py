@@ -163,6 +163,20 @@ def config_hash(config: dict) -> str:
     return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def results_header(config: dict, game_ids: list[str], **extra) -> dict:
+    """The first record of an ``alfrl eval`` output: the run's configuration and its games."""
+    return {"type": "header", "config": config, "config_hash": config_hash(config), "games": game_ids, **extra}
+
+
+def write_results(path: Path, header: dict, records: list[dict], summary: dict | None = None) -> None:
+    """Write header, game records (and the summary) to ``path`` atomically (a temporary file, then rename)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    with open(tmp, "w") as f:
+        f.write("".join(json.dumps(rec) + "\n" for rec in [header, *records, *([summary] if summary else [])]))
+    os.replace(tmp, path)
+
+
 def _read_existing(path: Path) -> tuple[dict | None, list[dict]]:
     """(header, game records) of an existing output; a torn last line (interrupted write) is dropped."""
     header, games = None, []
@@ -195,7 +209,7 @@ def run_eval(
     needs the same config. ``on_chunk(done, total)`` is called after each chunk.
     """
     out = Path(out)
-    header = {"type": "header", "config": config, "config_hash": config_hash(config), "games": [g.id for g in games]}
+    header = results_header(config, [g.id for g in games])
     done: dict[str, dict] = {}
     if out.exists() and not overwrite:
         old_header, records = _read_existing(out)
@@ -208,13 +222,7 @@ def run_eval(
             done = {r["game_id"]: r for r in records}
     chunks = [games[i : i + cfg.games_per_chunk] for i in range(0, len(games), cfg.games_per_chunk)]
     kept = [done[g.id] for chunk in chunks if all(g.id in done for g in chunk) for g in chunk]
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(out.suffix + ".tmp")
-    with open(tmp, "w") as f:  # rewrite header + whole finished chunks, then append as we go
-        f.write(json.dumps(header) + "\n")
-        for rec in kept:
-            f.write(json.dumps(rec) + "\n")
-    os.replace(tmp, out)
+    write_results(out, header, kept)  # header + whole finished chunks; then append as we go
     records = list(kept)
     finished = {r["game_id"] for r in kept}
     with open(out, "a") as f:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import random
+import time
 from collections.abc import Iterator
 
 import lightning as L
@@ -355,8 +356,6 @@ class AlfrlPolicy(L.LightningModule):
         lightning_optimizer = self.optimizers() if optimizer is None else None
         raw_optimizer = lightning_optimizer.optimizer if lightning_optimizer is not None else optimizer
         world = self.trainer.world_size if attached else 1
-        import time
-
         if torch.cuda.is_available() and self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         started = time.perf_counter()

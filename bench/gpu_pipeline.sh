@@ -146,8 +146,7 @@ pack() {  # results (small) and the trajectories (gzipped) into $OUT
 
 case "${1:-}" in
   stage-kit)
-    if [ -f "$2/install.sh" ]; then bash "$2/install.sh" stage "$2"; else bash /tmp/wheel-stage/install.sh stage "$2"; fi
-    log "staged $2" ;;
+    bash bench/gpu_session.sh stage "$2" && log "staged $2" ;;
   stage-model)
     mkdir -p /tmp/model-stage && cp "$2"/qwen.gguf.part* /tmp/model-stage/ && log "staged $2 ($(ls /tmp/model-stage | wc -l) parts)" ;;
   setup)  # in the background: install, games, random model; then lane B
@@ -156,10 +155,7 @@ case "${1:-}" in
   _setup)
     s=$(date +%s)
     if [ "$DRY" != 1 ]; then
-      cp .whl/*.whl /tmp/wheel-stage/ && bash /tmp/wheel-stage/install.sh install /tmp/site > "$W/logs/install.log" 2>&1
-      "$PY" -c "import vllm, textworld, alfworld, jsonargparse, omegaconf; print('vllm', vllm.__version__)" >> "$W/logs/install.log" 2>&1 \
-        || { log "install failed"; touch "$W/lane_b.done"; exit 1; }
-      "${ALFRL[@]}" data prepare --data-dir .cache/alfworld --archive .gpu-data/json_2.1.1.tar.xz >> "$W/logs/install.log" 2>&1
+      bash bench/gpu_session.sh install > "$W/logs/install.log" 2>&1 || { log "install failed"; touch "$W/lane_b.done"; exit 1; }
       GPU_B=${GPU_B:-1}
       [ "$ONE_GPU" = 1 ] || CUDA_VISIBLE_DEVICES=$GPU_B "$PY" bench/random_model.py --shape qwen3-4b --out .cache/random-qwen3-4b >> "$W/logs/install.log" 2>&1
       nvidia-smi --query-gpu=index,name,memory.total --format=csv >> "$W/logs/install.log"

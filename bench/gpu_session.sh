@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks, step by step, on the device machine (see bench/README.md for what each measures).
 #   bash bench/gpu_session.sh stage .gpu-kit/c01     # one call per wheel chunk (c01 carries install.sh)
-#   bash bench/gpu_session.sh setup                  # install the kit + .whl, unpack games, write models
+#   bash bench/gpu_session.sh setup                  # install (the kit + .whl, unpack games), write models
 #   bash bench/gpu_session.sh engine                 # vLLM vs HF engine on the tiny model
 #   bash bench/gpu_session.sh bench                  # rollout / update / 274-game eval, random Qwen3-4B shape
 #   bash bench/gpu_session.sh fit N                  # `alfrl fit` one step on N GPUs (8 games per GPU)
@@ -14,11 +14,13 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 case "$1" in
   stage)
     if [ -f "$2/install.sh" ]; then bash "$2/install.sh" stage "$2"; else bash /tmp/wheel-stage/install.sh stage "$2"; fi ;;
+  install)  # the staged kit + .whl into /tmp/site, checked, and the games into .cache/alfworld
+    cp .whl/*.whl /tmp/wheel-stage/ && bash /tmp/wheel-stage/install.sh install /tmp/site 2>&1 | tail -2
+    python3 -c "import vllm, textworld, alfworld, jsonargparse, omegaconf; print('vllm', vllm.__version__)" || exit 1
+    python3 -m alfrl.cli data prepare --data-dir .cache/alfworld --archive .gpu-data/json_2.1.1.tar.xz ;;
   setup)
     t0=$(date +%s)
-    cp .whl/*.whl /tmp/wheel-stage/ && bash /tmp/wheel-stage/install.sh install /tmp/site 2>&1 | tail -2
-    python3 -c "import vllm, textworld, alfworld, jsonargparse, omegaconf; print('vllm', vllm.__version__)"
-    python3 -m alfrl.cli data prepare --data-dir .cache/alfworld --archive .gpu-data/json_2.1.1.tar.xz
+    bash "$0" install || exit 1
     [ -f .cache/tiny-model/config.json ] || python3 -m alfrl.cli tiny-model .cache/tiny-model
     [ -f .cache/random-qwen3-4b/config.json ] || python3 bench/random_model.py --shape qwen3-4b --out .cache/random-qwen3-4b
     nvidia-smi --query-gpu=name,memory.total --format=csv
