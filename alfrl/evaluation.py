@@ -43,7 +43,10 @@ class EvalConfig:
     max_trajectory_tokens: int = 12000
     max_assistant_tokens: int = 2048
     games_per_chunk: int = 64
-    """Games played together; results are written chunk by chunk."""
+    """Games per chunk; results are written chunk by chunk (an interrupted evaluation resumes there)."""
+    max_live_games: int = 0
+    """Within a chunk, at most this many games played at once (0: the whole chunk); the next game
+    starts when one ends. Keeps the KV cache from thrashing when the engine has a small share of the GPU."""
 
     def problems(self, prefix: str = "data.eval") -> list[str]:
         out = []
@@ -57,6 +60,8 @@ class EvalConfig:
         for name in ("max_episode_steps", "max_trajectory_tokens", "max_assistant_tokens", "games_per_chunk"):
             if getattr(self, name) < 1:
                 out.append(f"{prefix}.{name}={getattr(self, name)} must be >= 1")
+        if self.max_live_games < 0:
+            out.append(f"{prefix}.max_live_games={self.max_live_games} must be >= 0 (0: the whole chunk at once)")
         return out
 
     def rollout_config(self, training: RolloutConfig) -> RolloutConfig:
@@ -68,6 +73,7 @@ class EvalConfig:
             max_episode_steps=self.max_episode_steps,
             max_trajectory_tokens=self.max_trajectory_tokens,
             max_assistant_tokens=self.max_assistant_tokens,
+            max_live_games=self.max_live_games,
         )
 
 

@@ -64,6 +64,9 @@ class RolloutConfig:
     schedule: str = "async"
     """``async``: each trajectory's next turn is submitted when its environment answered (no barrier);
     ``rounds``: every live trajectory generates, then every environment steps (the old runner)."""
+    max_live_games: int = 0
+    """At most this many games played at once (0: all): the next game starts when one ends, so the
+    engine's KV cache holds the live trajectories instead of thrashing (an evaluation of 274 games)."""
 
     def problems(self, prefix: str = "data.rollout") -> list[str]:
         out = []
@@ -84,6 +87,8 @@ class RolloutConfig:
         for name in ("max_episode_steps", "max_trajectory_tokens", "max_assistant_tokens"):
             if getattr(self, name) < 1:
                 out.append(f"{prefix}.{name}={getattr(self, name)} must be >= 1")
+        if self.max_live_games < 0:
+            out.append(f"{prefix}.max_live_games={self.max_live_games} must be >= 0 (0: every game at once)")
         return out
 
 
@@ -293,6 +298,10 @@ class _Play:
         self.turns = 0
         self.total = sum(len(g) for g in groups)
         self.last_report = 0.0
+        self.window = runner.cfg.max_live_games or len(groups)
+        self.waiting_groups = list(range(len(groups)))
+        """Groups not started yet (``max_live_games``): the next starts when a started one ends."""
+        self.started: list[int] = []
 
     def event(self, kind: str, t: LiveTrajectory, turn: int) -> None:
         if self.r.trace is not None:
@@ -310,11 +319,10 @@ class _Play:
 
     def run(self) -> tuple[dict[int, list[LiveTrajectory]], dict[int, str]]:
         r = self.r
-        for gi, group in enumerate(self.groups):
-            for k, ticket in enumerate(r.pool.submit(group.reset_ops())):
-                self.reset_owner[ticket] = (gi, k)
+        self.start_groups()
         self.report(force=True)
-        while self.reset_owner or self.step_owner or self.request_owner or self.ready or self.held:
+        while self.reset_owner or self.step_owner or self.request_owner or self.ready or self.held or self.waiting_groups:
+            self.start_groups()
             self.submit_ready()
             if r.engine.busy:
                 started = time.perf_counter()
@@ -340,6 +348,21 @@ class _Play:
             self.report()
         self.report(force=True)
         return self.lives, self.failures
+
+    def group_over(self, gi: int) -> bool:
+        return gi in self.failures or (gi in self.lives and not any(t.live for t in self.lives[gi]))
+
+    def start_groups(self) -> None:
+        """Reset the environments of waiting groups while fewer than ``window`` groups are playing."""
+        if not self.waiting_groups:
+            return
+        if len(self.started) >= self.window:
+            self.started = [gi for gi in self.started if not self.group_over(gi)]
+        while self.waiting_groups and len(self.started) < self.window:
+            gi = self.waiting_groups.pop(0)
+            self.started.append(gi)
+            for k, ticket in enumerate(self.r.pool.submit(self.groups[gi].reset_ops())):
+                self.reset_owner[ticket] = (gi, k)
 
     # -- events
     def on_reset(self, ticket: int, result: EnvState | EnvFailure) -> None:

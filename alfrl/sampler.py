@@ -68,7 +68,7 @@ class EngineConfig:
     base + LoRA in the model dtype (faster decoding; bf16 rounds most of a small update away)."""
     sync_check_tolerance: float = 0.1
     """After each weight sync, the mean |engine - trainer| log-prob of a probe sequence must stay below this."""
-    sync_min_response: float = 0.2
+    sync_min_response: float = 0.1
     """After each sync, the engine's probe log-probs must follow at least this share of the trainer's
     change since the last sync (checked when the change is above numerical noise; 0 turns it off).
     A skipped sync gives 0; bf16 LoRA weights in vLLM gave 0.37 on a small first update (bench/README.md)."""

@@ -102,3 +102,29 @@ def test_scripted_async_matches_rounds_turn_for_turn(game, fmt):
         with EnvPool(num_workers=2) as pool:
             out[schedule] = RolloutRunner(engine, pool, fmt, cfg, RewardConfig()).run([game], 4, seed=0)
     assert out["async"] == out["rounds"]
+
+
+def test_max_live_games_starts_the_next_game_when_one_ends(valid_games, fmt):
+    games = valid_games[:3]
+    scripts = [["look", "inventory", "look"], ["inventory", "look"]]
+    out, traces = {}, {}
+    for window in (0, 1):
+        engine = ScriptedEngine(fmt, scripts)
+        cfg = RolloutConfig(max_episode_steps=3, max_trajectory_tokens=20000, max_assistant_tokens=200, max_live_games=window)
+        with EnvPool(num_workers=2) as pool:
+            runner = RolloutRunner(engine, pool, fmt, cfg, RewardConfig())
+            runner.trace = []
+            out[window] = runner.run(games, 2, seed=0)
+            traces[window] = runner.trace
+    assert out[1] == out[0]  # the same trajectories, game by game
+
+    def first_request(trace, g):
+        return next(i for i, e in enumerate(trace) if e[0] == "request" and e[1] == g)
+
+    def last_event(trace, g):
+        return max(i for i, e in enumerate(trace) if e[1] == g)
+
+    for g in (1, 2):  # one game at a time: game g asks for its first turn after game g-1's last event
+        assert first_request(traces[1], g) > last_event(traces[1], g - 1)
+    assert first_request(traces[0], 1) < last_event(traces[0], 0)  # without the window they overlap
+    assert RolloutConfig(max_live_games=-1).problems() == ["data.rollout.max_live_games=-1 must be >= 0 (0: every game at once)"]

@@ -5,7 +5,7 @@ import torch
 
 from alfrl.advantages import sample_of
 from alfrl.chat import chat_format
-from alfrl.engines import EngineError, HFEngine, SamplingRequest
+from alfrl.engines import AdapterWeights, EngineError, HFEngine, SamplingRequest
 from alfrl.policy import AlfrlPolicy
 from alfrl.ppo import LoRAConfig, PPOConfig
 from alfrl.types import TokenSequence
@@ -56,11 +56,39 @@ def test_the_gap_alone_misses_a_small_skipped_update_the_response_does_not(setup
     sync = WeightSync(engine, probe, tolerance=0.1, min_response=0.5)
     sync.sync(policy)
     _train(policy, 3, scale=0.001)  # a small update: the gap stays near bf16 noise (0.008 on the GPU)
-    with pytest.raises(WeightSyncError, match="followed only 0.00"):
+    with pytest.raises(WeightSyncError, match="did not move at all"):
         sync.sync(policy, push=False)
     assert engine.score(probe) != policy.score(probe)
     gap = sum(abs(a - b) for a, b in zip(engine.score(probe), policy.score(probe))) / len(probe)
     assert gap < 0.01  # what the old check looked at: it would have passed
+
+
+def test_an_engine_that_does_not_follow_the_trainer_is_caught_by_the_running_response(setup):
+    policy, engine, probe, _ = setup
+    sync = WeightSync(engine, probe, tolerance=1.0, min_response=0.1)
+    sync.sync(policy)
+    start = {k: v.clone() for k, v in policy.adapter_weights().tensors.items()}
+    _train(policy, 4, scale=0.01)
+    trained = policy.adapter_weights()
+    backwards = {k: 2 * start[k] - v for k, v in trained.tensors.items()}  # the engine moves the other way
+    sync.push = lambda p: (engine.load_adapter(AdapterWeights(backwards, trained.config, trained.version)), len(trained.modules))
+    with pytest.raises(WeightSyncError, match="followed only -"):
+        sync.sync(policy)
+
+
+def test_the_running_response_passes_a_partly_followed_sync(setup):
+    policy, engine, probe, _ = setup
+    sync = WeightSync(engine, probe, tolerance=1.0, min_response=0.1)
+    sync.sync(policy)
+    for seed in (5, 6):  # the engine gets 30% of each update (as if the rest were rounded away)
+        start = {k: v.clone() for k, v in policy.adapter_weights().tensors.items()}
+        _train(policy, seed, scale=0.01)
+        trained = policy.adapter_weights()
+        partial = {k: start[k] + 0.3 * (v - start[k]) for k, v in trained.tensors.items()}
+        sync.push = lambda p, partial=partial, trained=trained: (
+            engine.load_adapter(AdapterWeights(partial, trained.config, trained.version)), len(trained.modules))
+        metrics = sync.sync(policy)
+        assert 0.1 < metrics["sync/engine_response_running"] < 0.6
 
 
 def test_merged_weights_with_unknown_names_are_refused_with_the_count(setup):
