@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# One H200 session for the Sampler's figures and the learning run (issues "RL step", "Fast rollouts",
-# "Learning you can see"), as background jobs so no step is bound by a call's limit.
+# One H200 session for the learning run (issue "Learning you can see") and the Sampler's and the
+# weight sync's figures (issues "Fast rollouts", "The RL step is exactly right"), as background jobs so
+# no step is bound by a call's limit.
 #
 # Calls, back to back (the device tool sends one chunk per call):
 #   bash bench/gpu_campaign.sh stage .gpu-kit/c01            # ... c06 (c01 carries install.sh)
@@ -8,14 +9,16 @@
 #   bash bench/gpu_campaign.sh stage .gpu-model/m01          # ... m19
 #   bash bench/gpu_campaign.sh stage .gpu-model/m20 && bash bench/gpu_campaign.sh start     # carry m20 and .gpu-data
 #   bash bench/gpu_campaign.sh wait 540                      # again until it says "all done"; packs $OUT
+#   bash bench/gpu_campaign.sh bench && bash bench/gpu_campaign.sh wait 540 bench   # if time is left: the GPU alone
 #
-# The background job, after the GGUF became a Hugging Face folder:
-#   bench: bench/sampler_bench.py on the base model alone on the GPU (engine ceiling, round vs async
-#          rollouts, the LoRA-served weight sync), then the merged sync's bench and the base model's
-#          274-game evaluation while
-#   sft:   alfrl sft on the expert plans (.gpu-data/expert_qwen15b.jsonl.gz) runs beside them;
-#   then   alfrl fit from the SFT adapter (as many updates as the deadline allows) beside the SFT
-#          adapter's 274-game evaluation; then the RL adapter's evaluation alone; then alfrl report.
+# The learning job, after the GGUF became a Hugging Face folder:
+#   base:  the base model's 274-game evaluation (0.22 of the GPU, at most 70 games at once) beside
+#   sft:   alfrl sft on the expert plans (.gpu-data/expert_qwen15b.jsonl.gz); then
+#   rl:    alfrl fit from the SFT adapter (as many updates as the deadline allows, every one saved)
+#          beside the SFT adapter's evaluation (as the base's); then the RL adapter's evaluation
+#          (0.5 of the GPU, every game at once), then alfrl report (paired tests, curves).
+# The bench job (alone on the GPU): bench/sampler_bench.py, the sync's gaps, responses and decode speed,
+# LoRA-served then merged; then the engine ceiling, round vs async rollouts and the update's MFU.
 #
 # DRY=1 runs the same script on a CPU with the tiny model (HF engine, 2 games per split) to check it.
 set -uo pipefail
@@ -35,27 +38,35 @@ if [ "$DRY" = 1 ]; then
   RL=recipes/tiny.yaml; SFT=recipes/sft_tiny.yaml
   MODEL=(--model.model_name "${ALFRL_TINY_MODEL:-$REPO/.cache/tiny-model}")
   EXPERT=${EXPERT:-$REPO/runs/tiny-expert.jsonl}
-  BENCH=(--games 2 --dry --phases runners update sync -- --data.engine.separate_weights=true --data.env.num_workers=2 --trainer.logger=false
+  SYNC=(--games 1 --dry --phases sync -- --data.engine.separate_weights=true --data.env.num_workers=2 --trainer.logger=false
+        "--model.model_name=${ALFRL_TINY_MODEL:-$REPO/.cache/tiny-model}")
+  BENCH=(--games 2 --dry --phases runners update -- --data.engine.separate_weights=true --data.env.num_workers=2 --trainer.logger=false
          "--model.model_name=${ALFRL_TINY_MODEL:-$REPO/.cache/tiny-model}")
   MERGED=(--games 1 --dry --phases sync -- --data.engine.weight_sync=merged --data.engine.separate_weights=true --data.env.num_workers=2
           --trainer.logger=false "--model.model_name=${ALFRL_TINY_MODEL:-$REPO/.cache/tiny-model}")
   TRAIN=(--data.env.num_workers 2 --data.games_per_batch 2)
-  EVAL=(--data.env.num_workers 2 --limit-per-split 2)
-  SFT_ARGS=(--trainer.max_steps 4); MAX_STEPS=2; STEP_S=40
+  EVAL_SIDE=(--data.env.num_workers 2 --limit-per-split 2 --data.eval.max_live_games 1)
+  EVAL_ALONE=(--data.env.num_workers 2 --limit-per-split 2)
+  SFT_ARGS=(--trainer.max_steps 4); MAX_STEPS=2; STEP_S=40; EVAL_S=60
 else
   export ALFWORLD_DATA=$REPO/.cache/alfworld
   PY=${PY:-python3}
   RL=recipes/qwen15b_coder_h200.yaml; SFT=recipes/sft_qwen15b.yaml
   MODEL=()
   EXPERT=$W/expert_qwen15b.jsonl
-  BENCH=(--phases ceiling runners sync -- --data.engine.gpu_memory_utilization=0.4 --data.env.num_workers=16 --trainer.logger=false)
-  MERGED=(--games 2 --phases sync -- --data.engine.weight_sync=merged --data.engine.gpu_memory_utilization=0.25 --data.env.num_workers=4 --trainer.logger=false)
-  TRAIN=(--data.env.num_workers 12 --data.engine.gpu_memory_utilization 0.3)
-  # 70 games at a time: at 0.3 of the GPU all 274 at once thrashed the KV cache (2026-12-01, bench/README.md)
-  EVAL=(--data.env.num_workers 12 --data.engine.gpu_memory_utilization 0.3 --data.eval.games_per_chunk 70)
-  SFT_ARGS=(); MAX_STEPS=16; STEP_S=40
+  SYNC=(--games 2 --phases sync -- --data.engine.gpu_memory_utilization=0.4 --data.env.num_workers=4 --trainer.logger=false)
+  MERGED=(--games 2 --phases sync -- --data.engine.weight_sync=merged --data.engine.gpu_memory_utilization=0.4 --data.env.num_workers=4 --trainer.logger=false)
+  BENCH=(--phases ceiling runners update -- --data.engine.gpu_memory_utilization=0.4 --data.env.num_workers=16 --trainer.logger=false)
+  # 64 trajectories of at most 8,192 tokens need 15 GiB of KV cache (28 KiB per token): 0.2 of the GPU holds them
+  TRAIN=(--data.env.num_workers 8 --data.engine.gpu_memory_utilization 0.2)
+  # beside training: at most 70 games at once (70 x 12,000 tokens fit in 0.22 of the GPU); all 274 at once
+  # at 0.3 thrashed the KV cache (2026-12-01, bench/README.md)
+  EVAL_SIDE=(--data.env.num_workers 6 --data.engine.gpu_memory_utilization 0.22 --data.eval.max_live_games 70)
+  EVAL_ALONE=(--data.env.num_workers 16 --data.engine.gpu_memory_utilization 0.5)
+  SFT_ARGS=(); MAX_STEPS=20; STEP_S=45; EVAL_S=240
 fi
 ALFRL=("$PY" -m alfrl.cli)
+RL_LR=${RL_LR:-2.0e-5}
 [ -f "$W/t0" ] || date +%s > "$W/t0"
 T0=$(cat "$W/t0")
 DEADLINE=$((T0 + BUDGET_S))
@@ -71,35 +82,40 @@ timed() {  # timed NAME CMD...: run it, its output in logs/NAME.log, its wall se
   log "end $name rc=$rc ($(( $(date +%s) - s ))s)"
   return $rc
 }
-eval_run() {  # eval_run NAME [--adapter DIR]
-  local name=$1; shift
-  timed "eval_$name" "${ALFRL[@]}" eval --config $RL "${MODEL[@]}" "${EVAL[@]}" --trainer.accelerator "$ACCEL" --out "$RUN/$name.jsonl" "$@"
+eval_run() {  # eval_run NAME side|alone [--adapter DIR]
+  local name=$1 how=$2; shift 2
+  local -n how_args=$([ "$how" = side ] && echo EVAL_SIDE || echo EVAL_ALONE)
+  timed "eval_$name" "${ALFRL[@]}" eval --config $RL "${MODEL[@]}" "${how_args[@]}" --trainer.accelerator "$ACCEL" --out "$RUN/$name.jsonl" "$@"
 }
 ACCEL=$([ "$DRY" = 1 ] && echo cpu || echo gpu)
 
-bench_lane() {
+bench_lane() {  # alone on the GPU: the two sync modes side by side first, then the Sampler's speed
+  timed bench_sync_lora "$PY" bench/sampler_bench.py --recipe $RL --out "$W/results/sampler_bench_sync_lora.json" "${SYNC[@]}"
+  timed bench_sync_merged "$PY" bench/sampler_bench.py --recipe $RL --out "$W/results/sampler_bench_sync_merged.json" "${MERGED[@]}"
   timed bench "$PY" bench/sampler_bench.py --recipe $RL --out "$W/results/sampler_bench.json" "${BENCH[@]}"
-  touch "$W/bench.done"
-  timed bench_merged "$PY" bench/sampler_bench.py --recipe $RL --out "$W/results/sampler_bench_merged.json" "${MERGED[@]}" &
-  eval_run base
-  wait
-  touch "$W/base.done"
 }
 
 learn_lane() {
+  ( eval_run base side; touch "$W/base.done" ) &
   timed sft env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "${ALFRL[@]}" sft --config $SFT "${MODEL[@]}" --data.expert_file "$EXPERT" --trainer.default_root_dir "$RUN/sft" \
-    --trainer.accelerator "$ACCEL" --progress_bar.refresh_rate 0 "${SFT_ARGS[@]}" || return 1
-  while [ ! -f "$W/base.done" ] && [ "$(date +%s)" -lt "$DEADLINE" ]; do sleep 3; done  # the GPU's memory: one eval at a time
-  ( eval_run sft --adapter "$RUN/sft/checkpoints/last"; touch "$W/sft_eval.done" ) &
-  local left=$(( DEADLINE - $(date +%s) - 240 ))   # keep 4 minutes for the last evaluation
+    --trainer.accelerator "$ACCEL" --progress_bar.refresh_rate 0 "${SFT_ARGS[@]}" || { wait; return 1; }
+  ( eval_run sft side --adapter "$RUN/sft/checkpoints/last"; touch "$W/sft_eval.done" ) &
+  local left=$(( DEADLINE - $(date +%s) - EVAL_S ))   # keep time for the last evaluation
   local steps=$(( left / STEP_S )); [ $steps -gt $MAX_STEPS ] && steps=$MAX_STEPS; [ $steps -lt 1 ] && steps=1
   log "RL: $steps updates (max_time $left s)"
-  timed rl "${ALFRL[@]}" fit --config $RL "${MODEL[@]}" "${TRAIN[@]}" --trainer.accelerator "$ACCEL" --model.init_adapter "$RUN/sft/checkpoints/last" \
+  timed rl env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "${ALFRL[@]}" fit --config $RL "${MODEL[@]}" "${TRAIN[@]}" --trainer.accelerator "$ACCEL" \
+    --model.init_adapter "$RUN/sft/checkpoints/last" --model.optim.lr "$RL_LR" \
     --trainer.default_root_dir "$RUN/rl" --trainer.max_steps $steps --trainer.max_time "$(printf '00:00:%02d:%02d' $((left / 60)) $((left % 60)))" \
     --checkpoint.save_every 1 --progress_bar.refresh_rate 0
-  wait
-  eval_run rl --adapter "$RUN/rl/checkpoints/last"
-  timed report "${ALFRL[@]}" report "$RUN/base.jsonl" "$RUN/sft.jsonl" "$RUN/rl.jsonl" --names base sft rl --out "$W/results/report" --train-log "$RUN/rl"
+  wait   # the base and SFT evaluations: the last one gets the GPU's memory
+  eval_run rl alone --adapter "$RUN/rl/checkpoints/last"
+  report
+}
+
+report() {
+  local runs=() names=()
+  for n in base sft rl; do [ -f "$RUN/$n.jsonl" ] && { runs+=("$RUN/$n.jsonl"); names+=("$n"); }; done
+  timed report "${ALFRL[@]}" report "${runs[@]}" --names "${names[@]}" --out "$W/results/report" --train-log "$RUN/rl" --html
 }
 
 pack() {  # results (small) and the trajectories (gzipped) into $OUT
@@ -148,38 +164,27 @@ case "${1:-}" in
       timed convert_gguf "${ALFRL[@]}" convert-gguf .cache/qwen15b-coder --gguf-file qwen.gguf --out .cache/qwen15b-coder-hf || exit 1
       gunzip -c /tmp/gpu-data/expert_qwen15b.jsonl.gz > "$EXPERT"
     fi
-    ( bench_lane; touch "$W/bench_lane.done" ) &
-    ( while [ ! -f "$W/bench.done" ]; do sleep 2; done; learn_lane; touch "$W/learn_lane.done" ) &
-    wait; touch "$W/all.done"; log "all done" ;;
-  wait)  # wait N: until everything is done or N seconds pass; then pack what there is
-    end=$(( $(date +%s) + ${2:-540} ))
-    while [ "$(date +%s)" -lt "$end" ] && [ ! -f "$W/all.done" ]; do sleep 5; done
+    learn_lane; touch "$W/all.done"; log "all done" ;;
+  bench)  # after the learning job: the bench alone on the GPU
+    setsid nohup bash "$0" _bench > "$W/logs/bench_lane.log" 2>&1 < /dev/null &
+    log "bench started" ;;
+  _bench)
+    while pgrep -f "alfrl.cl[i] " > /dev/null; do sleep 3; done
+    bench_lane; touch "$W/bench_lane.done"; log "bench done" ;;
+  wait)  # wait N [bench]: until the learning job (or the bench) is done or N seconds pass; then pack what there is
+    end=$(( $(date +%s) + ${2:-540} )); mark=$W/all.done; [ "${3:-}" = bench ] && mark=$W/bench_lane.done
+    while [ "$(date +%s)" -lt "$end" ] && [ ! -f "$mark" ]; do sleep 5; done
     pack > /dev/null
     tail -n 30 "$W/logs/campaign.log"; cat "$W/results/times.txt" 2>/dev/null
     for f in "$W"/logs/*.log; do echo "== $f"; grep -v "it/s\]\|^INFO\|^(EngineCore\|^DEBUG\|Warning\|warn" "$f" | tail -n 5; done
-    [ -f "$W/all.done" ] && echo "all done" ;;
+    [ -f "$mark" ] && echo "all done" ;;
   pieces) pieces "$2" "$3" ;;
-  redo)  # the bench lane again (after a fix), then base.done
-    rm -f "$W/base.done" "$W/bench.done"
-    setsid nohup bash "$0" _redo > "$W/logs/redo.log" 2>&1 < /dev/null &
-    log "bench lane again" ;;
-  _redo)
-    bench_lane ;;
-  finish)  # after a fit that runs on its own: the RL adapter's evaluation, then the report
+  finish)  # after a fit that stopped on its own: the RL adapter's evaluation, then the report
     setsid nohup bash "$0" _finish > "$W/logs/finish.log" 2>&1 < /dev/null &
     log "finish started" ;;
   _finish)
-    while pgrep -f "alfrl.cl[i] fit" > /dev/null; do sleep 3; done
-    while pgrep -f "alfrl.cl[i] eval.*sft.jsonl" > /dev/null; do sleep 3; done
-    eval_run rl --adapter "$RUN/rl/checkpoints/last"
-    runs=(); names=()
-    for n in base sft rl; do [ -f "$RUN/$n.summary.json" ] && { runs+=("$RUN/$n.jsonl"); names+=("$n"); }; done
-    timed report "${ALFRL[@]}" report "${runs[@]}" --names "${names[@]}" --out "$W/results/report" --train-log "$RUN/rl"
+    while pgrep -f "alfrl.cl[i] " > /dev/null; do sleep 3; done
+    eval_run rl alone --adapter "$RUN/rl/checkpoints/last"; report
     touch "$W/all.done"; log "all done" ;;
-  learn)  # the learning lane again (after a fix)
-    setsid nohup bash "$0" _learn > "$W/logs/learn.log" 2>&1 < /dev/null &
-    log "learning lane again" ;;
-  _learn)
-    learn_lane; touch "$W/all.done"; log "all done" ;;
-  *) sed -n 2,22p "$0"; exit 2 ;;
+  *) sed -n 2,25p "$0"; exit 2 ;;
 esac
