@@ -61,16 +61,30 @@ class ExpertEngine(InProcessEngine):
     def __init__(self, fmt: ChatFormat, games: list[Game], max_steps: int, seed: int = SEED):
         super().__init__()
         self.fmt = fmt
-        self.plans = {g.id: g.walkthrough() for g in games}
+        self.max_steps = max_steps
+        self.seed = seed
+        self.plans: dict[str, list[str]] = {}
         self.tasks: dict[str, str] = {}
         """Each game's task, read once from its first prompt."""
         self.by_seed: dict[int, tuple[str, int]] = {}
+        if not self.play(games):
+            raise AssertionError("two expert requests share a seed: play fewer games at a time")
+
+    def play(self, games: list[Game]) -> bool:
+        """Answer for ``games`` from now on; False (and nothing changed) when two of their requests
+        would share a seed. Request seeds are 31-bit hashes, so over all 3,553 training games x 21
+        turns some collide; within a chunk of 64 games a collision is unlikely, within one game
+        practically impossible."""
+        by_seed: dict[int, tuple[str, int]] = {}
         for g in games:
-            for turn in range(max_steps + 1):
+            for turn in range(self.max_steps + 1):
                 for index in (-1, 0):  # a group of one asks for turn 0 as trajectory 0
-                    self.by_seed[request_seed(seed, g.id, index, turn)] = (g.id, turn)
-        if len(self.by_seed) != 2 * len(games) * (max_steps + 1):
-            raise AssertionError("two expert requests share a seed: choose another seed")
+                    by_seed[request_seed(self.seed, g.id, index, turn)] = (g.id, turn)
+        if len(by_seed) != 2 * len(games) * (self.max_steps + 1):
+            return False
+        self.by_seed = by_seed
+        self.plans = {g.id: g.walkthrough() for g in games}
+        return True
 
     def generate(self, requests: list[SamplingRequest]) -> list[list[Completion]]:
         out = []
@@ -116,12 +130,20 @@ def replay(runner_for: Callable[[ExpertEngine], RolloutRunner], fmt: ChatFormat,
         out.write_text("".join(good))
     skipped: dict[str, str] = json.loads(skipped_file.read_text()) if skipped_file.exists() else {}
     todo = [g for g in games if g.id not in done and g.id not in skipped]
-    engine = ExpertEngine(fmt, todo, max_steps)
+    engine = ExpertEngine(fmt, [], max_steps)
     runner = runner_for(engine)
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out, "a") as f:
         for start in range(0, len(todo), chunk):
-            groups = runner.run(todo[start : start + chunk], 1, SEED)
+            games_now = todo[start : start + chunk]
+            if engine.play(games_now):
+                groups = runner.run(games_now, 1, SEED)
+            else:  # two requests of this chunk share a seed: one game at a time
+                groups = []
+                for g in games_now:
+                    if not engine.play([g]):
+                        raise AssertionError(f"two expert requests of {g.id} share a seed")
+                    groups += runner.run([g], 1, SEED)
             for group in groups:
                 t = group.trajectories[0] if group.trajectories else None
                 if t is not None and t.won:

@@ -64,6 +64,30 @@ def test_expert_replay_resumes_without_playing_again(expert):
     assert played == [] and out.read_text() == before and again["written"] == result["written"]
 
 
+def test_expert_replay_plays_one_game_at_a_time_when_seeds_collide(expert, tmp_path, monkeypatch):
+    # request seeds are 31-bit hashes: over all 3,553 training games some collide (seen: `alfrl expert`
+    # on every game refused to start). Here every game's turn t gets the same seed, so any two collide.
+    import alfrl.expert
+    import alfrl.rollout
+
+    games, fmt, out, _ = expert
+    coarse = lambda seed, game_id, index, turn: (index + 2) * 1000 + turn  # noqa: E731
+    monkeypatch.setattr(alfrl.rollout, "request_seed", coarse)
+    monkeypatch.setattr(alfrl.expert, "request_seed", coarse)
+    runs = []
+
+    class Counting(RolloutRunner):
+        def run(self, games, *args, **kwargs):
+            runs.append(len(games))
+            return super().run(games, *args, **kwargs)
+
+    with EnvPool(num_workers=2) as pool:
+        result = replay(lambda engine: Counting(engine, pool, fmt, CFG, RewardConfig()), fmt, games[:3], CFG.max_episode_steps, tmp_path / "e.jsonl")
+    assert runs == [1, 1, 1]
+    assert [t.game_id for t in read_expert(tmp_path / "e.jsonl")] == [t.game_id for t in read_expert(out) if t.game_id in {g.id for g in games[:3]}]
+    assert result["written"] + result["skipped"] == 3
+
+
 def test_expert_engine_requests_are_found_by_seed(expert):
     games, fmt, _, _ = expert
     engine = ExpertEngine(fmt, games, 8)
