@@ -49,6 +49,11 @@ class EngineConfig:
     """vLLM: release the engine's memory while training, take it back for rollouts."""
     enforce_eager: bool = False
     """vLLM: skip torch.compile and CUDA graphs (faster start, slower decoding)."""
+    kv_cache_gib: float | None = None
+    """vLLM: a fixed KV cache size in GiB instead of the one vLLM infers by profiling within
+    ``gpu_memory_utilization``. Set it when engines start beside other GPU processes: memory those
+    allocate during the profile counts against this engine (an evaluation started beside training got
+    a KV cache too small for its games and thrashed, 2026-12-01)."""
     max_num_seqs: int | None = None
     """vLLM: sequences decoded together (default vLLM's)."""
     max_num_batched_tokens: int | None = None
@@ -85,6 +90,8 @@ class EngineConfig:
             out.append(f"{prefix}.sync_min_response={self.sync_min_response} must be in [0, 1] (0 turns the response check off)")
         if not 0 < self.gpu_memory_utilization < 1:
             out.append(f"{prefix}.gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1)")
+        if self.kv_cache_gib is not None and self.kv_cache_gib <= 0:
+            out.append(f"{prefix}.kv_cache_gib={self.kv_cache_gib} must be > 0 (or null: inferred from gpu_memory_utilization)")
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 out.append(f"{prefix}.{name}={getattr(self, name)} must be >= 1 (or null for vLLM's default)")
@@ -99,6 +106,8 @@ class EngineConfig:
         from alfrl.models import is_vision_language
 
         extra: dict = {}
+        if self.kv_cache_gib is not None:
+            extra["kv_cache_memory_bytes"] = int(self.kv_cache_gib * 2**30)
         if self.max_num_seqs is not None:
             extra["max_num_seqs"] = self.max_num_seqs
         if self.max_num_batched_tokens is not None:

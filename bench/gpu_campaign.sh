@@ -10,6 +10,10 @@
 #   bash bench/gpu_campaign.sh stage .gpu-model/m20 && bash bench/gpu_campaign.sh start     # carry m20 and .gpu-data
 #   bash bench/gpu_campaign.sh wait 540                      # again until it says "all done"; packs $OUT
 #   bash bench/gpu_campaign.sh bench && bash bench/gpu_campaign.sh wait 540 bench   # if time is left: the GPU alone
+# An adapter brought back from an earlier lease (.gpu-adapter/p1, p2: pieces of a tar of a/ with the
+# adapter's two files), evaluated beside the rest (stage before `start`):
+#   bash bench/gpu_campaign.sh stage .gpu-adapter/p1; bash bench/gpu_campaign.sh stage .gpu-adapter/p2
+#   bash bench/gpu_campaign.sh eval-adapter rl10      # -> runs/rl10.jsonl once the model is converted
 #
 # The learning job, after the GGUF became a Hugging Face folder:
 #   base:  the base model's 274-game evaluation (0.22 of the GPU, at most 70 games at once) beside
@@ -58,10 +62,12 @@ else
   MERGED=(--games 2 --phases sync -- --data.engine.weight_sync=merged --data.engine.gpu_memory_utilization=0.4 --data.env.num_workers=4 --trainer.logger=false)
   BENCH=(--phases ceiling runners update -- --data.engine.gpu_memory_utilization=0.4 --data.env.num_workers=16 --trainer.logger=false)
   # 64 trajectories of at most 8,192 tokens need 15 GiB of KV cache (28 KiB per token): 0.2 of the GPU holds them
-  TRAIN=(--data.env.num_workers 8 --data.engine.gpu_memory_utilization 0.2)
+  # kv_cache_gib: engines started beside other GPU processes get a fixed KV cache instead of a profiled one
+  # (2026-12-01: an evaluation started beside the RL run profiled a cache too small for its games and thrashed)
+  TRAIN=(--data.env.num_workers 8 --data.engine.gpu_memory_utilization 0.2 --data.engine.kv_cache_gib 16)
   # beside training: at most 70 games at once (70 x 12,000 tokens fit in 0.22 of the GPU); all 274 at once
   # at 0.3 thrashed the KV cache (2026-12-01, bench/README.md)
-  EVAL_SIDE=(--data.env.num_workers 6 --data.engine.gpu_memory_utilization 0.22 --data.eval.max_live_games 70)
+  EVAL_SIDE=(--data.env.num_workers 6 --data.engine.gpu_memory_utilization 0.22 --data.engine.kv_cache_gib 24 --data.eval.max_live_games 70)
   EVAL_ALONE=(--data.env.num_workers 16 --data.engine.gpu_memory_utilization 0.5)
   SFT_ARGS=(); MAX_STEPS=20; STEP_S=45; EVAL_S=240
 fi
@@ -138,6 +144,7 @@ pieces() {  # pieces RUN_NAME K: the run's last checkpoint (adapter + trainer.ck
 case "${1:-}" in
   stage)
     if [[ "$2" == *gpu-model* ]]; then mkdir -p /tmp/model-stage && cp "$2"/qwen.gguf.part* /tmp/model-stage/ && log "staged $2"
+    elif [[ "$2" == *gpu-adapter* ]]; then mkdir -p /tmp/adapter-stage && cp "$2"/*.part* /tmp/adapter-stage/ && log "staged $2"
     else bash bench/gpu_session.sh stage "$2" && log "staged $2"; fi ;;
   install)  # in the background: the kit into /tmp/site; needs every kit chunk
     setsid nohup bash "$0" _install > "$W/logs/install.log" 2>&1 < /dev/null &
@@ -164,6 +171,7 @@ case "${1:-}" in
       timed convert_gguf "${ALFRL[@]}" convert-gguf .cache/qwen15b-coder --gguf-file qwen.gguf --out .cache/qwen15b-coder-hf || exit 1
       gunzip -c /tmp/gpu-data/expert_qwen15b.jsonl.gz > "$EXPERT"
     fi
+    touch "$W/model.done"
     learn_lane; touch "$W/all.done"; log "all done" ;;
   bench)  # after the learning job: the bench alone on the GPU
     setsid nohup bash "$0" _bench > "$W/logs/bench_lane.log" 2>&1 < /dev/null &
@@ -179,6 +187,13 @@ case "${1:-}" in
     for f in "$W"/logs/*.log; do echo "== $f"; grep -v "it/s\]\|^INFO\|^(EngineCore\|^DEBUG\|Warning\|warn" "$f" | tail -n 5; done
     [ -f "$mark" ] && echo "all done" ;;
   pieces) pieces "$2" "$3" ;;
+  eval-adapter)  # eval-adapter NAME: the 274-game evaluation of an adapter brought back in pieces (.gpu-adapter/p1, p2 staged)
+    setsid nohup bash "$0" _eval_adapter "$2" > "$W/logs/eval_adapter_$2.log" 2>&1 < /dev/null &
+    log "evaluation of the brought-back adapter $2 started" ;;
+  _eval_adapter)
+    while [ ! -f "$W/model.done" ]; do sleep 2; done   # after `start` converted the model
+    mkdir -p "$RUN/$2-adapter" && cat /tmp/adapter-stage/*.part* | tar -xf - -C "$RUN/$2-adapter" || exit 1
+    eval_run "$2" alone --adapter "$RUN/$2-adapter/a"; touch "$W/$2.done"; log "evaluation of $2 done" ;;
   finish)  # after a fit that stopped on its own: the RL adapter's evaluation, then the report
     setsid nohup bash "$0" _finish > "$W/logs/finish.log" 2>&1 < /dev/null &
     log "finish started" ;;
@@ -186,5 +201,5 @@ case "${1:-}" in
     while pgrep -f "alfrl.cl[i] " > /dev/null; do sleep 3; done
     eval_run rl alone --adapter "$RUN/rl/checkpoints/last"; report
     touch "$W/all.done"; log "all done" ;;
-  *) sed -n 2,25p "$0"; exit 2 ;;
+  *) sed -n 2,30p "$0"; exit 2 ;;
 esac

@@ -82,3 +82,11 @@ def test_vllm_counters_read_cached_prompt_tokens_not_cache_queries():
     assert (c.prompt_tokens, c.cached_prompt_tokens, c.generated_tokens) == (16469304, 15979696, 265550)
     older = [M(name="vllm:prompt_tokens", value=100), M(name="vllm:prefix_cache_hits", value=60)]
     assert counters_from_metrics(older).cached_prompt_tokens == 60
+
+
+def test_a_fixed_kv_cache_size_reaches_vllm_and_is_checked(tiny_model_dir):
+    from alfrl.sampler import EngineConfig
+
+    assert EngineConfig(kind="vllm", kv_cache_gib=20).vllm_extra(tiny_model_dir) == {"kv_cache_memory_bytes": 20 * 2**30}
+    assert "kv_cache_memory_bytes" not in EngineConfig(kind="vllm").vllm_extra(tiny_model_dir)
+    assert EngineConfig(kv_cache_gib=0).problems() == ["data.engine.kv_cache_gib=0 must be > 0 (or null: inferred from gpu_memory_utilization)"]
