@@ -123,7 +123,8 @@ def main(argv: list[str]) -> int:
         "adapter_digest": _file_digest(adapter_file) if adapter_file else None,
         "engine": dm.engine_cfg.kind,
         "weight_sync": dm.engine_cfg.weight_sync if args.adapter else None,
-        "protocol": dataclasses.asdict(cfg),
+        # how many games run together changes no result (every request's seed is its own): a rerun may change it
+        "protocol": {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("games_per_chunk", "max_live_games")},
         "rollout": dataclasses.asdict(cfg.rollout_config(dm.rollout)),
         "reward": dataclasses.asdict(dm.reward),
     }
@@ -132,7 +133,8 @@ def main(argv: list[str]) -> int:
           f"model {config['model_name']}, adapter {config['adapter'] or 'none'}", file=sys.stderr)
     try:
         summary = sampler.evaluate(mine, part, config, cfg, overwrite=args.overwrite,
-                                   on_chunk=lambda done, total: print(f"  rank {rank}: {done}/{total} games", file=sys.stderr))
+                                   on_game=lambda done, total: print(f"  rank {rank}: {done}/{total} games", file=sys.stderr)
+                                   if done % 10 == 0 or done == total else None)
     except EvalError as e:
         print(f"alfrl eval: {e}", file=sys.stderr)
         return 2

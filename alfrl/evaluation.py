@@ -2,11 +2,12 @@
 
 The reference protocol: valid_seen (140) + valid_unseen (134) = 274 games in sorted order,
 temperature 0.01, top_p 1.0, seed 42, 50 steps, 12,000 trajectory tokens, with the same prompts
-and tool protocol as training. Games are played in fixed chunks of the sorted list and each chunk's
-records are appended when it finishes, so an interrupted evaluation resumes by skipping the
-finished chunks and gives the same results as an uninterrupted one (each chunk is played exactly
-as it would have been). The output starts with a header that records the configuration; a
-different configuration on an existing file is refused unless ``overwrite``.
+and tool protocol as training. Each game's record is appended (and synced to disk) the moment its
+trajectory ends, so an interrupted evaluation keeps every finished game and a rerun plays only the
+others; every request's seed depends only on the run seed, the game and the turn, so a game plays
+the same whatever it is batched with (up to the engine's numerics). When all games are done the file
+is rewritten in the games' order with the summary last. The output starts with a header that records
+the configuration; a different configuration on an existing file is refused unless ``overwrite``.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pathlib import Path
 
 from alfrl.games import EVAL_SPLITS, SPLITS, Game, discover_games
 from alfrl.rollout import RolloutConfig, RolloutRunner
-from alfrl.types import Trajectory
+from alfrl.types import Trajectory, TrajectoryGroup
 
 
 class EvalError(RuntimeError):
@@ -43,7 +44,7 @@ class EvalConfig:
     max_trajectory_tokens: int = 12000
     max_assistant_tokens: int = 2048
     games_per_chunk: int = 64
-    """Games per chunk; results are written chunk by chunk (an interrupted evaluation resumes there)."""
+    """Games handed to the rollout runner at a time (their environments are created together)."""
     max_live_games: int = 0
     """Within a chunk, at most this many games played at once (0: the whole chunk); the next game
     starts when one ends. Keeps the KV cache from thrashing when the engine has a small share of the GPU."""
@@ -208,12 +209,12 @@ def run_eval(
     out: str | Path,
     config: dict,
     overwrite: bool = False,
-    on_chunk: Callable[[int, int], None] | None = None,
+    on_game: Callable[[int, int], None] | None = None,
 ) -> dict:
     """Play ``games`` (one trajectory each) into ``out`` and return the summary (also written last).
 
     ``config`` describes the run (model, adapter, protocol) and is stored in the header; resuming
-    needs the same config. ``on_chunk(done, total)`` is called after each chunk.
+    needs the same config. ``on_game(done, total)`` is called after each game's record is written.
     """
     out = Path(out)
     header = results_header(config, [g.id for g in games])
@@ -227,30 +228,28 @@ def run_eval(
             )
         if old_header is not None:
             done = {r["game_id"]: r for r in records}
-    chunks = [games[i : i + cfg.games_per_chunk] for i in range(0, len(games), cfg.games_per_chunk)]
-    kept = [done[g.id] for chunk in chunks if all(g.id in done for g in chunk) for g in chunk]
-    write_results(out, header, kept)  # header + whole finished chunks; then append as we go
-    records = list(kept)
-    finished = {r["game_id"] for r in kept}
+    records = [done[g.id] for g in games if g.id in done]
+    write_results(out, header, records)  # header + the games already played; then append as games end
+    todo = [g for g in games if g.id not in done]
     with open(out, "a") as f:
-        for chunk in chunks:
-            if all(g.id in finished for g in chunk):
-                continue
-            groups = runner.run(chunk, group_size=1, seed=cfg.seed)
-            lines = []
-            for group in groups:
-                if group.failed is not None:
-                    raise EvalError(f"game {group.game.id} could not be played: {group.failed}")
-                rec = game_record(group.trajectories[0])
-                records.append(rec)
-                lines.append(json.dumps(rec) + "\n")
-            f.write("".join(lines))
+
+        def write(group: TrajectoryGroup) -> None:
+            if group.failed is not None:
+                raise EvalError(f"game {group.game.id} could not be played: {group.failed}")
+            rec = game_record(group.trajectories[0])
+            records.append(rec)
+            f.write(json.dumps(rec) + "\n")
             f.flush()
             os.fsync(f.fileno())
-            if on_chunk:
-                on_chunk(len(records), len(games))
-        summary = summarize(records)
-        f.write(json.dumps(summary) + "\n")
+            if on_game:
+                on_game(len(records), len(games))
+
+        for i in range(0, len(todo), cfg.games_per_chunk):
+            runner.run(todo[i : i + cfg.games_per_chunk], group_size=1, seed=cfg.seed, on_group=write)
+    order = {g.id: i for i, g in enumerate(games)}
+    records.sort(key=lambda r: order[r["game_id"]])
+    summary = summarize(records)
+    write_results(out, header, records, summary)
     return summary
 
 

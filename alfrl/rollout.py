@@ -155,18 +155,21 @@ class RolloutRunner:
         group_size: int,
         seed: int,
         progress: Callable[[RolloutProgress], None] | None = None,
+        on_group: Callable[[TrajectoryGroup], None] | None = None,
     ) -> list[TrajectoryGroup]:
-        """Play ``group_size`` trajectories of each game; one TrajectoryGroup per game, in order."""
+        """Play ``group_size`` trajectories of each game; one TrajectoryGroup per game, in order.
+        ``on_group`` gets each game's group as soon as its last trajectory ended (evaluation writes it then)."""
         groups = [EnvGroup.create(self.pool, game, group_size) for game in games]
         self.stats = RolloutStats()
         start = time.perf_counter()
         try:
-            lives, failures = _Play(self, groups, seed, progress).run()
+            play = _Play(self, groups, seed, progress, on_group)
+            play.run()
         finally:
             for group in groups:
                 group.close()
         self.stats.seconds = time.perf_counter() - start
-        return [self._finish(group, lives.get(gi, []), failures.get(gi)) for gi, group in enumerate(groups)]
+        return [play.finished_group(gi) for gi in range(len(groups))]
 
     # ---------------------------------------------------------------- one turn
     def request(self, t: LiveTrajectory, game_id: str, seed: int, n: int) -> SamplingRequest:
@@ -279,8 +282,10 @@ class _Play:
 
     POLL_SECONDS = 0.05
 
-    def __init__(self, runner: RolloutRunner, groups: list[EnvGroup], seed: int, progress):
+    def __init__(self, runner: RolloutRunner, groups: list[EnvGroup], seed: int, progress, on_group=None):
         self.r = runner
+        self.on_group = on_group
+        self.finished: dict[int, TrajectoryGroup] = {}
         self.groups = groups
         self.seed = seed
         self.progress = progress
@@ -352,6 +357,16 @@ class _Play:
     def group_over(self, gi: int) -> bool:
         return gi in self.failures or (gi in self.lives and not any(t.live for t in self.lives[gi]))
 
+    def finished_group(self, gi: int) -> TrajectoryGroup:
+        if gi not in self.finished:
+            self.finished[gi] = self.r._finish(self.groups[gi], self.lives.get(gi, []), self.failures.get(gi))
+        return self.finished[gi]
+
+    def check_over(self, gi: int) -> None:
+        """Hand a group that just ended to ``on_group`` (once)."""
+        if self.on_group is not None and gi not in self.finished and self.group_over(gi):
+            self.on_group(self.finished_group(gi))
+
     def start_groups(self) -> None:
         """Reset the environments of waiting groups while fewer than ``window`` groups are playing."""
         if not self.waiting_groups:
@@ -377,6 +392,7 @@ class _Play:
         except GroupStartMismatch as e:
             log.warning("skipping a group: %s", e)
             self.failures[gi] = str(e)
+            self.check_over(gi)
             return
         task, observation = protocol.split_first_observation(start[0].observation)
         first = EnvState(observation, start[0].admissible, start[0].won, start[0].done)  # banner and task line split off
@@ -427,6 +443,8 @@ class _Play:
         self.turns += 1
         if t.live:
             self.ready.append((t, 1))
+        else:
+            self.check_over(t.group)
 
 
 def rollout_metrics(groups: list[TrajectoryGroup], prefix: str = "rollout/") -> dict[str, float]:

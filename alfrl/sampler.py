@@ -238,12 +238,12 @@ class Sampler:
         return records
 
     def evaluate(self, games: list[Game], out: str | Path, config: dict, cfg: EvalConfig | None = None, overwrite: bool = False,
-                 on_chunk: Callable[[int, int], None] | None = None) -> dict:
+                 on_game: Callable[[int, int], None] | None = None) -> dict:
         """The evaluation protocol on ``games`` into the resumable result file ``out``; returns the summary."""
         cfg = cfg or self.eval_cfg
         self.engine.wake_up()
         start = time.perf_counter()
-        summary = run_eval(self.runner(cfg.rollout_config(self.rollout_cfg)), games, cfg, out, config, overwrite, on_chunk)
+        summary = run_eval(self.runner(cfg.rollout_config(self.rollout_cfg)), games, cfg, out, config, overwrite, on_game)
         summary["seconds"] = time.perf_counter() - start
         return summary
 

@@ -79,28 +79,27 @@ def tiny_runner(tiny_model_dir):
         yield RolloutRunner(HFEngine(model, tok.pad_token_id), pool, fmt, cfg.rollout_config(RolloutConfig()), RewardConfig()), cfg
 
 
-def test_an_interrupted_eval_resumes_to_the_same_summary(valid_games, tiny_runner, tmp_path):
+def test_an_interrupted_eval_keeps_every_finished_game_and_resumes_to_the_same_summary(valid_games, tiny_runner, tmp_path):
     runner, cfg = tiny_runner
     games = valid_games[:2] + valid_games[-2:]
     config = {"model": "tiny"}
-    whole = run_eval(runner, games, cfg, tmp_path / "whole.jsonl", config)
-
-    class Stop(Exception):
-        pass
-
-    def stop_after_first_chunk(done, total):
-        raise Stop
-
-    with pytest.raises(Stop):
-        run_eval(runner, games, cfg, tmp_path / "parts.jsonl", config, on_chunk=stop_after_first_chunk)
-    _, done, _ = read_results(tmp_path / "parts.jsonl")
-    assert len(done) == 2  # the first chunk was kept
-    chunks = []
-    resumed = run_eval(runner, games, cfg, tmp_path / "parts.jsonl", config, on_chunk=lambda d, t: chunks.append(d))
-    assert chunks == [4]  # only the second chunk was played again
+    on_disk = []  # each game's record is on disk when on_game is called
+    whole = run_eval(runner, games, cfg, tmp_path / "whole.jsonl", config,
+                     on_game=lambda done, total: on_disk.append((done, total, len(read_results(tmp_path / "whole.jsonl")[1]))))
+    assert on_disk == [(1, 4, 1), (2, 4, 2), (3, 4, 3), (4, 4, 4)]
+    header, records, _ = read_results(tmp_path / "whole.jsonl")
+    assert [r["game_id"] for r in records] == [g.id for g in games]  # rewritten in the games' order at the end
+    # an evaluation cut after its first finished game (as the end of a machine loan would cut it)
+    lines = (tmp_path / "whole.jsonl").read_text().splitlines()
+    first = next(line for line in lines[1:] if json.loads(line)["game_id"] == games[2].id)
+    (tmp_path / "parts.jsonl").write_text(lines[0] + "\n" + first + "\n" + first[: len(first) // 2])  # and a torn line
+    played = []
+    resumed = run_eval(runner, games, cfg, tmp_path / "parts.jsonl", config, on_game=lambda d, t: played.append(d))
+    assert played == [2, 3, 4]  # only the three other games were played
     assert resumed == whole
     # a finished file re-run plays nothing and gives the same summary
-    assert run_eval(runner, games, cfg, tmp_path / "parts.jsonl", config) == whole
+    assert run_eval(runner, games, cfg, tmp_path / "parts.jsonl", config, on_game=lambda d, t: played.append(d)) == whole
+    assert played == [2, 3, 4]
     # a different configuration is refused unless --overwrite
     with pytest.raises(EvalError, match="--overwrite"):
         run_eval(runner, games, cfg, tmp_path / "parts.jsonl", {"model": "other"})
