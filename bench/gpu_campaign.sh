@@ -193,7 +193,7 @@ case "${1:-}" in
   _eval_adapter)
     while [ ! -f "$W/model.done" ]; do sleep 2; done   # after `start` converted the model
     mkdir -p "$RUN/$2-adapter" && cat /tmp/adapter-stage/*.part* | tar -xf - -C "$RUN/$2-adapter" || exit 1
-    eval_run "$2" alone --adapter "$RUN/$2-adapter/a"; touch "$W/$2.done"; log "evaluation of $2 done" ;;
+    eval_run "$2" side --adapter "$RUN/$2-adapter/a"; touch "$W/$2.done"; log "evaluation of $2 done" ;;   # beside the learning job: a fixed KV cache
   finish)  # after a fit that stopped on its own: the RL adapter's evaluation, then the report
     setsid nohup bash "$0" _finish > "$W/logs/finish.log" 2>&1 < /dev/null &
     log "finish started" ;;
