@@ -59,6 +59,10 @@ def load_adapter_into(model: torch.nn.Module, path: str, rank: int, alpha: int) 
     unexpected = getattr(result, "unexpected_keys", [])
     if unexpected:
         raise ValueError(f"adapter {p} has weights this model lacks: {unexpected[:3]}")
+    missing = [k for k in getattr(result, "missing_keys", []) if "lora_" in k]
+    if missing:
+        raise ValueError(f"adapter {p} lacks {len(missing)} LoRA weights of this model (e.g. {missing[:2]}): "
+                         "was it trained with these model.lora.target_modules?")
     return str(weights)
 
 

@@ -216,3 +216,26 @@ def test_a_non_finite_gradient_skips_the_step_instead_of_poisoning_the_weights(r
     assert stats["skipped_steps"] == 1.0 and math.isfinite(stats["grad_norm"])
     assert all(torch.isfinite(v).all() for v in policy.adapter_state().values())
     assert any(not torch.equal(before[k], v) for k, v in policy.adapter_state().items())
+
+
+def test_an_adapter_brought_back_in_bf16_loads_and_a_partial_one_is_refused(policy, tiny_model_dir, tmp_path):
+    # what a GPU lease brings back through its size-limited output: the adapter's two files, tensors in bf16
+    import json
+
+    from safetensors.torch import save_file
+
+    trained = policy.adapter_weights()
+    folder = tmp_path / "a"
+    folder.mkdir()
+    (folder / "adapter_config.json").write_text(json.dumps(trained.config, default=list))
+    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in trained.tensors.items()}, str(folder / "adapter_model.safetensors"))
+    fresh = AlfrlPolicy(model_name=tiny_model_dir, dtype="float32", lora=LORA8)
+    fresh.load_adapter(str(folder))
+    got = fresh.adapter_weights().tensors
+    assert set(got) == set(trained.tensors)
+    for k, v in trained.tensors.items():
+        assert torch.equal(got[k], v.to(torch.bfloat16).float())
+    partial = {k: v for k, v in trained.tensors.items() if "layers.1." not in k}
+    save_file({k: v.contiguous() for k, v in partial.items()}, str(folder / "adapter_model.safetensors"))
+    with pytest.raises(ValueError, match="lacks .* LoRA weights"):
+        AlfrlPolicy(model_name=tiny_model_dir, dtype="float32", lora=LORA8).load_adapter(str(folder))
