@@ -16,7 +16,9 @@ A sync that silently does nothing would make every rollout come from an old poli
    - the response sum(d_e d_t) / sum(d_t d_t), a sync that reached the engine gives ~1, is logged
      per sync, and its running value over every such sync so far must stay above ``min_response``.
    Below the floor the change is within the numerical noise of the two implementations and is only
-   logged.
+   logged. Also logged, not checked: ``sync/engine_response_total``, the engine's change since the
+   first sync against the trainer's; the engine always holds the latest weights, so this one should
+   approach 1 as training moves the weights further than the noise (to be seen on a GPU).
 
 Why a running response: on the H200 (bench/README.md) the LoRA-served engine followed 0.37 of the
 first update of a run from a warm start at lr 1e-5, and about nothing of one update at lr 1e-6 from a
@@ -55,6 +57,8 @@ class WeightSync:
         self.check = check
         self.last_trainer: list[float] | None = None
         self.floor: float | None = None
+        self.first: tuple[list[float], list[float]] | None = None
+        """Engine and trainer probe log-probs at the first sync."""
         self.cross = 0.0
         """Running sums over the syncs above the floor: sum(d_e d_t) and sum(d_t d_t)."""
         self.norm = 0.0
@@ -85,6 +89,13 @@ class WeightSync:
         metrics["sync/probe_abs_logprob_diff"] = gap
         if self.floor is None:
             self.floor = max(1e-5, gap)
+            self.first = (after, trainer)
+        elif before is not None:  # logged only: the engine's total change since the first sync against the trainer's
+            e0, t0 = self.first
+            d_t = [b - a for a, b in zip(t0[1:], trainer[1:])]
+            norm = sum(t * t for t in d_t)
+            if norm > 0:
+                metrics["sync/engine_response_total"] = sum((b - a) * t for a, b, t in zip(e0[1:], after[1:], d_t)) / norm
         if gap > self.tolerance:
             raise WeightSyncError(
                 f"after syncing weight version {policy.weight_version}, the {self.engine.name} engine's log-probs of the probe "

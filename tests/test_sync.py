@@ -80,15 +80,18 @@ def test_the_running_response_passes_a_partly_followed_sync(setup):
     policy, engine, probe, _ = setup
     sync = WeightSync(engine, probe, tolerance=1.0, min_response=0.1)
     sync.sync(policy)
+    engine_state = {k: v.clone() for k, v in policy.adapter_weights().tensors.items()}
     for seed in (5, 6):  # the engine gets 30% of each update (as if the rest were rounded away)
         start = {k: v.clone() for k, v in policy.adapter_weights().tensors.items()}
         _train(policy, seed, scale=0.01)
         trained = policy.adapter_weights()
-        partial = {k: start[k] + 0.3 * (v - start[k]) for k, v in trained.tensors.items()}
-        sync.push = lambda p, partial=partial, trained=trained: (
-            engine.load_adapter(AdapterWeights(partial, trained.config, trained.version)), len(trained.modules))
+        engine_state = {k: engine_state[k] + 0.3 * (v - start[k]) for k, v in trained.tensors.items()}
+        sync.push = lambda p, pushed=engine_state, trained=trained: (
+            engine.load_adapter(AdapterWeights(pushed, trained.config, trained.version)), len(trained.modules))
         metrics = sync.sync(policy)
-        assert 0.1 < metrics["sync/engine_response_running"] < 0.6
+        assert 0.2 < metrics["sync/engine_response"] < 0.4
+        assert 0.2 < metrics["sync/engine_response_running"] < 0.4
+        assert 0.2 < metrics["sync/engine_response_total"] < 0.4  # since the first sync: also about 0.3
 
 
 def test_merged_weights_with_unknown_names_are_refused_with_the_count(setup):
