@@ -132,9 +132,11 @@ def main(argv: list[str]) -> int:
     print(f"alfrl eval: {len(mine)} of {len(games)} games on rank {rank}/{world} ({', '.join(cfg.splits)}), "
           f"model {config['model_name']}, adapter {config['adapter'] or 'none'}", file=sys.stderr)
     try:
-        summary = sampler.evaluate(mine, part, config, cfg, overwrite=args.overwrite,
-                                   on_game=lambda done, total: print(f"  rank {rank}: {done}/{total} games", file=sys.stderr)
-                                   if done % 10 == 0 or done == total else None)
+        def progress(done: int, total: int) -> None:
+            if done % 10 == 0 or done == total:
+                print(f"  rank {rank}: {done}/{total} games", file=sys.stderr)
+
+        summary = sampler.evaluate(mine, part, config, cfg, overwrite=args.overwrite, on_game=progress)
     except EvalError as e:
         print(f"alfrl eval: {e}", file=sys.stderr)
         return 2

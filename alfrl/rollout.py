@@ -304,9 +304,9 @@ class _Play:
         self.total = sum(len(g) for g in groups)
         self.last_report = 0.0
         self.window = runner.cfg.max_live_games or len(groups)
-        self.waiting_groups = list(range(len(groups)))
-        """Groups not started yet (``max_live_games``): the next starts when a started one ends."""
-        self.started: list[int] = []
+        self.next_group = 0
+        """Groups before this index were started (``max_live_games``: the next starts when one ends)."""
+        self.live_groups = 0
 
     def event(self, kind: str, t: LiveTrajectory, turn: int) -> None:
         if self.r.trace is not None:
@@ -322,12 +322,11 @@ class _Play:
             self.last_report = now
             self.progress(RolloutProgress(self.turns, self.live_count(), self.total))
 
-    def run(self) -> tuple[dict[int, list[LiveTrajectory]], dict[int, str]]:
+    def run(self) -> None:
         r = self.r
         self.start_groups()
         self.report(force=True)
-        while self.reset_owner or self.step_owner or self.request_owner or self.ready or self.held or self.waiting_groups:
-            self.start_groups()
+        while self.reset_owner or self.step_owner or self.request_owner or self.ready or self.held:
             self.submit_ready()
             if r.engine.busy:
                 started = time.perf_counter()
@@ -352,32 +351,28 @@ class _Play:
                     self.after_turn(t, c, parsed, result)
             self.report()
         self.report(force=True)
-        return self.lives, self.failures
-
-    def group_over(self, gi: int) -> bool:
-        return gi in self.failures or (gi in self.lives and not any(t.live for t in self.lives[gi]))
+        assert self.next_group == len(self.groups), "the rollout ended with games never started"
 
     def finished_group(self, gi: int) -> TrajectoryGroup:
         if gi not in self.finished:
             self.finished[gi] = self.r._finish(self.groups[gi], self.lives.get(gi, []), self.failures.get(gi))
         return self.finished[gi]
 
-    def check_over(self, gi: int) -> None:
-        """Hand a group that just ended to ``on_group`` (once)."""
-        if self.on_group is not None and gi not in self.finished and self.group_over(gi):
-            self.on_group(self.finished_group(gi))
-
     def start_groups(self) -> None:
-        """Reset the environments of waiting groups while fewer than ``window`` groups are playing."""
-        if not self.waiting_groups:
-            return
-        if len(self.started) >= self.window:
-            self.started = [gi for gi in self.started if not self.group_over(gi)]
-        while self.waiting_groups and len(self.started) < self.window:
-            gi = self.waiting_groups.pop(0)
-            self.started.append(gi)
+        """Reset the environments of the next groups while fewer than ``window`` are playing."""
+        while self.next_group < len(self.groups) and self.live_groups < self.window:
+            gi = self.next_group
+            self.next_group += 1
+            self.live_groups += 1
             for k, ticket in enumerate(self.r.pool.submit(self.groups[gi].reset_ops())):
                 self.reset_owner[ticket] = (gi, k)
+
+    def group_ended(self, gi: int) -> None:
+        """Called once per group, when it failed to start or its last trajectory ended."""
+        self.live_groups -= 1
+        if self.on_group is not None:
+            self.on_group(self.finished_group(gi))
+        self.start_groups()
 
     # -- events
     def on_reset(self, ticket: int, result: EnvState | EnvFailure) -> None:
@@ -392,7 +387,7 @@ class _Play:
         except GroupStartMismatch as e:
             log.warning("skipping a group: %s", e)
             self.failures[gi] = str(e)
-            self.check_over(gi)
+            self.group_ended(gi)
             return
         task, observation = protocol.split_first_observation(start[0].observation)
         first = EnvState(observation, start[0].admissible, start[0].won, start[0].done)  # banner and task line split off
@@ -443,8 +438,8 @@ class _Play:
         self.turns += 1
         if t.live:
             self.ready.append((t, 1))
-        else:
-            self.check_over(t.group)
+        elif not any(o.live for o in self.lives[t.group]):
+            self.group_ended(t.group)
 
 
 def rollout_metrics(groups: list[TrajectoryGroup], prefix: str = "rollout/") -> dict[str, float]:
