@@ -207,6 +207,8 @@ class RolloutDataModule(L.LightningDataModule):
         result = make_samples(rollout.groups, self.advantage, self.reward, self.rollout.history_length)
         metrics = batch_metrics(rollout.groups, rollout.counters, rollout.stats.seconds, result.degenerate_groups, result.dropped_groups)
         metrics["rollout/engine_busy_share"] = rollout.stats.engine_seconds / max(rollout.stats.seconds, 1e-9)
+        if rollout.sleep_freed_gib is not None:
+            metrics["engine/sleep_freed_gib"] = rollout.sleep_freed_gib
         batch = RolloutBatch(step=self.step, games=games, groups=rollout.groups, samples=result.samples,
                              metrics=self._reduce_metrics(metrics, rollout.groups), temperature=self.rollout.temperature)
         if self.save_rollouts:

@@ -174,7 +174,8 @@ def recipe_problems(cfg: Namespace, check_data: bool = True, check_model: bool =
     max_steps = cfg.trainer.get("max_steps")
     if max_steps is not None and max_steps < 1 and max_steps != -1:
         problems.append(f"trainer.max_steps={max_steps}: the number of updates must be >= 1 (or -1 to train until stopped)")
-    for key, value in (("checkpoint.save_every", cfg.checkpoint.save_every), ("periodic_eval.every_n_steps", cfg.periodic_eval.every_n_steps)):
+    for key, value in (("checkpoint.save_every", cfg.checkpoint.save_every), ("periodic_eval.every_n_steps", cfg.periodic_eval.every_n_steps),
+                       ("weight_sync.canary_at_step", cfg.weight_sync.canary_at_step)):
         if value < 0:
             problems.append(f"{key}={value} must be >= 0 (0 turns it off)")
     limit = cfg.periodic_eval.limit_per_split

@@ -21,6 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from alfrl import protocol
 from alfrl.chat import ChatFormat, chat_format
 from alfrl.engines import Engine, EngineCounters, HFEngine
@@ -62,8 +64,9 @@ class EngineConfig:
     """vLLM: start a vision-language checkpoint without its vision encoder (prompts are token ids);
     null: on exactly for vision-language checkpoints (Qwen3.5)."""
     gdn_prefill_backend: str | None = None
-    """vLLM: the Gated DeltaNet prefill kernel of Qwen3.5's linear-attention layers; ``triton`` when
-    FlashInfer's Hopper kernel is not installed (the offline kit); null: vLLM's choice."""
+    """vLLM: the Gated DeltaNet prefill kernel of Qwen3.5's linear-attention layers (``triton`` or
+    ``flashinfer``); null: FlashInfer's where its kernel for this GPU is installed, else triton (the
+    offline kit lacks FlashInfer's Hopper kernel, and vLLM would pick it anyway and fail at the first prefill)."""
     max_batch_rows: int = 64
     """hf: rows per generate call."""
     separate_weights: bool = False
@@ -115,9 +118,40 @@ class EngineConfig:
         vl = is_vision_language(model_path)
         if self.language_model_only if self.language_model_only is not None else vl:
             extra["language_model_only"] = True
-        if self.gdn_prefill_backend is not None:
-            extra["additional_config"] = {"gdn_prefill_backend": self.gdn_prefill_backend}
+        backend = self.gdn_prefill_backend
+        if backend is None and has_linear_attention_at(model_path):
+            backend = auto_gdn_prefill_backend()
+        if backend is not None:
+            extra["additional_config"] = {"gdn_prefill_backend": backend}
         return extra
+
+
+def has_linear_attention_at(model_path: str) -> bool:
+    """Whether the checkpoint at ``model_path`` has Gated DeltaNet (linear-attention) layers."""
+    from alfrl.models import has_linear_attention
+
+    try:
+        from transformers import AutoConfig
+
+        return has_linear_attention(AutoConfig.from_pretrained(model_path))
+    except Exception:  # noqa: BLE001 - an unreadable config: the engine start reports it
+        return False
+
+
+def auto_gdn_prefill_backend() -> str:
+    """``flashinfer`` when FlashInfer's Gated DeltaNet prefill kernel for this GPU can be imported, else ``triton``.
+
+    vLLM 0.26 picks FlashInfer on every Hopper GPU without checking that its CuTe-DSL kernel is
+    installed; without it the first prefill fails ("SM90 GDN prefill DSL kernel is unavailable").
+    """
+    try:
+        major = torch.cuda.get_device_capability()[0] if torch.cuda.is_available() else 0
+        from flashinfer import gdn_kernels
+
+        kernel = {9: "chunk_gated_delta_rule_sm90", 10: "chunk_gated_delta_rule_sm100", 12: "chunk_gated_delta_rule_sm120"}.get(major)
+        return "flashinfer" if kernel and getattr(gdn_kernels, kernel, None) is not None else "triton"
+    except Exception:  # noqa: BLE001 - FlashInfer missing or broken: the triton kernel always works
+        return "triton"
 
 
 @dataclass(frozen=True)
@@ -147,6 +181,8 @@ class RolloutResult:
     counters: EngineCounters
     """Prompt / cached prompt / generated tokens of this rollout."""
     stats: RolloutStats
+    sleep_freed_gib: float | None = None
+    """GPU memory the engine's sleep handed to the trainer after this rollout (vLLM sleep mode; else None)."""
 
 
 class Sampler:
@@ -205,7 +241,7 @@ class Sampler:
         groups = runner.run(games, group_size, seed, progress)
         counters = self.engine.counters().minus(before)
         self.engine.sleep()
-        return RolloutResult(groups, counters, runner.stats)
+        return RolloutResult(groups, counters, runner.stats, getattr(self.engine, "sleep_freed_gib", None))
 
     # ------------------------------------------------------------ weights
     def probe_ids(self) -> list[int]:

@@ -31,7 +31,9 @@ response is noisy and the running one much less. A sync that never arrives keeps
 
 from __future__ import annotations
 
+import copy
 import time
+
 SYNC_MODES = ("lora", "merged")
 
 
@@ -122,6 +124,19 @@ class WeightSync:
                 self._check_response(policy.weight_version, change, d_e, cross, norm, metrics)
         self.last_trainer = trainer
         return metrics
+
+    def canary(self, policy) -> dict:
+        """A sync that skips the push, tried on a copy of this sync's state (this one is left as it was):
+        ``sync/canary_caught`` 1.0 when the checks raised, else 0.0 with the trainer's probe change and the
+        detection floor (a change under the floor is numerical noise and cannot be told from no sync)."""
+        trial = copy.copy(self)
+        try:
+            metrics = trial.sync(policy, push=False)
+        except WeightSyncError as e:
+            return {"sync/canary_caught": 1.0, "sync/canary_message": str(e)}
+        change = metrics.get("sync/trainer_change", 0.0)
+        return {"sync/canary_caught": 0.0, "sync/canary_trainer_change": change, "sync/canary_floor": float(self.floor or 0.0),
+                "sync/canary_message": f"the trainer's probe log-probs moved {change:.2e} per token, detection floor {self.floor or 0.0:.2e}"}
 
     def _check_response(self, version: int, change: float, d_e: list[float], cross: float, norm: float, metrics: dict) -> None:
         hint = (" In merged mode bf16 rounding swallows small updates: use data.engine.weight_sync: lora."

@@ -63,6 +63,7 @@ class VLLMEngine:
         self._lora_model = None
         self._next_lora_id = 1
         self._submitted = 0
+        self.sleep_freed_gib: float | None = None
         self.lora_enabled = lora_rank is not None
         kwargs = dict(extra or {})
         self.vision_language = bool(kwargs.get("language_model_only"))
@@ -248,8 +249,11 @@ class VLLMEngine:
 
     def sleep(self) -> None:
         if self.sleep_mode and not self._asleep:
+            free = torch.cuda.mem_get_info()[0]
             self.llm.sleep(level=1)
             self._asleep = True
+            self.sleep_freed_gib = (torch.cuda.mem_get_info()[0] - free) / 2**30
+            """GPU memory the last sleep handed back (weights offloaded, KV cache dropped)."""
 
     def wake_up(self) -> None:
         if self._asleep:

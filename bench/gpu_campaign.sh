@@ -26,12 +26,13 @@
 #
 # DRY=1 runs the same script on a CPU with the tiny model (HF engine, 2 games per split) to check it.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "${ALFRL_REPO:-$(dirname "$0")/..}"
 REPO=$PWD
 W=${ALFRL_GPU_WORK:-/tmp/alfrl}
 OUT=${OUT:-$W/out}
 DRY=${DRY:-0}
 BUDGET_S=${BUDGET_S:-1500}          # seconds from the first call to the end of all work
+PLAN=${PLAN:-learn}                 # learn: the learning run (+ `bench` after it); figures: every benchmark alone, one after another
 mkdir -p "$W/logs" "$W/results" "$OUT"
 export PYTHONPATH=/tmp/site:$REPO PYTHONUNBUFFERED=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 TOKENIZERS_PARALLELISM=false
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -48,10 +49,17 @@ if [ "$DRY" = 1 ]; then
          "--model.model_name=${ALFRL_TINY_MODEL:-$REPO/.cache/tiny-model}")
   MERGED=(--games 1 --dry --phases sync -- --data.engine.weight_sync=merged --data.engine.separate_weights=true --data.env.num_workers=2
           --trainer.logger=false "--model.model_name=${ALFRL_TINY_MODEL:-$REPO/.cache/tiny-model}")
+  BENCH_OVERRIDES=(-- --data.engine.separate_weights=true --data.env.num_workers=2 --trainer.logger=false
+                   "--model.model_name=${ALFRL_TINY_MODEL:-$REPO/.cache/tiny-model}")
   TRAIN=(--data.env.num_workers 2 --data.games_per_batch 2)
   EVAL_SIDE=(--data.env.num_workers 2 --limit-per-split 2 --data.eval.max_live_games 1)
   EVAL_ALONE=(--data.env.num_workers 2 --limit-per-split 2)
   SFT_ARGS=(--trainer.max_steps 4); MAX_STEPS=2; STEP_S=40; EVAL_S=60
+  Q35_MODEL=.cache/random-qwen3.5-small; Q35_SHAPE=qwen3.5-small
+  Q35_ARGS=(--data.engine.kind hf --data.engine.separate_weights true --trainer.accelerator cpu --data.games_per_batch 1 --data.group_size 2
+            --data.rollout.max_episode_steps 2 --data.env.num_workers 2)
+  Q35_EVAL=(--data.engine.kind hf --trainer.accelerator cpu --data.eval.max_episode_steps 2 --data.env.num_workers 2)
+  T_BENCH=600; T_MERGED=300; T_EVAL=300; T_Q35=600; T_Q35_EVAL=300
 else
   export ALFWORLD_DATA=$REPO/.cache/alfworld
   PY=${PY:-python3}
@@ -61,6 +69,7 @@ else
   SYNC=(--games 2 --phases sync -- --data.engine.gpu_memory_utilization=0.4 --data.env.num_workers=4 --trainer.logger=false)
   MERGED=(--games 2 --phases sync -- --data.engine.weight_sync=merged --data.engine.gpu_memory_utilization=0.4 --data.env.num_workers=4 --trainer.logger=false)
   BENCH=(--phases ceiling runners update -- --data.engine.gpu_memory_utilization=0.4 --data.env.num_workers=16 --trainer.logger=false)
+  BENCH_OVERRIDES=(-- --data.engine.gpu_memory_utilization=0.4 --data.env.num_workers=16 --trainer.logger=false)
   # 64 trajectories of at most 8,192 tokens need 15 GiB of KV cache (28 KiB per token): 0.2 of the GPU holds them
   # kv_cache_gib: engines started beside other GPU processes get a fixed KV cache instead of a profiled one
   # (2026-12-01: an evaluation started beside the RL run profiled a cache too small for its games and thrashed)
@@ -68,9 +77,18 @@ else
   # beside training: at most 70 games at once (70 x 12,000 tokens fit in 0.22 of the GPU); all 274 at once
   # at 0.3 thrashed the KV cache (2026-12-01, bench/README.md)
   EVAL_SIDE=(--data.env.num_workers 6 --data.engine.gpu_memory_utilization 0.22 --data.engine.kv_cache_gib 24 --data.eval.max_live_games 70)
-  EVAL_ALONE=(--data.env.num_workers 16 --data.engine.gpu_memory_utilization 0.5)
+  # alone: 0.75 of the GPU holds ~3.5 M tokens of KV cache (28 KiB each), 274 x 12,000 = 3.3 M at most
+  EVAL_ALONE=(--data.env.num_workers 16 --data.engine.gpu_memory_utilization 0.75)
   SFT_ARGS=(); MAX_STEPS=20; STEP_S=45; EVAL_S=240
+  # the figures lane: the reference recipe on a random Qwen3.5-4B-structure checkpoint (random weights never
+  # stop on their own: completions run to a fixed 100 tokens, so trajectories reach the 12,000-token budget)
+  Q35_MODEL=.cache/random-qwen3.5-4b; Q35_SHAPE=qwen3.5-4b
+  Q35_ARGS=(--trainer.accelerator gpu); Q35_EVAL=(--trainer.accelerator gpu)
+  T_BENCH=480; T_MERGED=240; T_EVAL=420; T_Q35=720; T_Q35_EVAL=360
 fi
+Q35=recipes/qwen4b_80step.yaml
+CSV_ONLY='[{"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": "'$W/runs/q35'", "name": "csv"}}]'
+
 ALFRL=("$PY" -m alfrl.cli)
 RL_LR=${RL_LR:-2.0e-5}
 [ -f "$W/t0" ] || date +%s > "$W/t0"
@@ -91,7 +109,7 @@ timed() {  # timed NAME CMD...: run it, its output in logs/NAME.log, its wall se
 eval_run() {  # eval_run NAME side|alone [--adapter DIR]
   local name=$1 how=$2; shift 2
   local -n how_args=$([ "$how" = side ] && echo EVAL_SIDE || echo EVAL_ALONE)
-  timed "eval_$name" "${ALFRL[@]}" eval --config $RL "${MODEL[@]}" "${how_args[@]}" --trainer.accelerator "$ACCEL" --out "$RUN/$name.jsonl" "$@"
+  timed "eval_$name" timeout "${EVAL_TIMEOUT:-7200}" "${ALFRL[@]}" eval --config $RL "${MODEL[@]}" "${how_args[@]}" --trainer.accelerator "$ACCEL" --out "$RUN/$name.jsonl" "$@"
 }
 ACCEL=$([ "$DRY" = 1 ] && echo cpu || echo gpu)
 
@@ -99,6 +117,23 @@ bench_lane() {  # alone on the GPU: the two sync modes side by side first, then 
   timed bench_sync_lora "$PY" bench/sampler_bench.py --recipe $RL --out "$W/results/sampler_bench_sync_lora.json" "${SYNC[@]}"
   timed bench_sync_merged "$PY" bench/sampler_bench.py --recipe $RL --out "$W/results/sampler_bench_sync_merged.json" "${MERGED[@]}"
   timed bench "$PY" bench/sampler_bench.py --recipe $RL --out "$W/results/sampler_bench.json" "${BENCH[@]}"
+}
+
+figures_lane() {  # every figure alone on the GPU, one after another; a phase that fails or overruns does not stop the next
+  local fig_bench=(--phases ceiling runners update sync "${BENCH_OVERRIDES[@]}")
+  [ "$DRY" = 1 ] && fig_bench=(--games 2 --dry --phases runners update sync "${BENCH_OVERRIDES[@]}")
+  timed bench_lora timeout $T_BENCH "$PY" bench/sampler_bench.py --recipe $RL --out "$W/results/sampler_bench_lora.json" "${fig_bench[@]}"
+  timed bench_merged timeout $T_MERGED "$PY" bench/sampler_bench.py --recipe $RL --out "$W/results/sampler_bench_merged.json" "${MERGED[@]}"
+  if ls /tmp/adapter-stage/*.part* > /dev/null 2>&1; then
+    mkdir -p "$RUN/rl10-adapter" && cat /tmp/adapter-stage/*.part* | tar -xf - -C "$RUN/rl10-adapter" \
+      && EVAL_TIMEOUT=$T_EVAL eval_run rl10 alone --adapter "$RUN/rl10-adapter/a"
+  fi
+  while [ ! -f "$W/q35model.done" ]; do sleep 2; done
+  timed q35_fit timeout $T_Q35 "${ALFRL[@]}" fit --config $Q35 --model.model_name $Q35_MODEL "${Q35_ARGS[@]}" --trainer.max_steps 1 \
+    --trainer.default_root_dir "$RUN/q35" --trainer.logger "$CSV_ONLY" --data.rollout.max_assistant_tokens 100 \
+    --weight_sync.canary_at_step 1 --checkpoint.save_every 1 --progress_bar.refresh_rate 0
+  timed q35_eval timeout $T_Q35_EVAL "${ALFRL[@]}" eval --config $Q35 --model.model_name $Q35_MODEL "${Q35_EVAL[@]}" --limit-per-split 2 \
+    --data.eval.max_assistant_tokens 100 --adapter "$RUN/q35/checkpoints/last" --out "$RUN/q35_eval.jsonl"
 }
 
 learn_lane() {
@@ -147,7 +182,7 @@ case "${1:-}" in
     elif [[ "$2" == *gpu-adapter* ]]; then mkdir -p /tmp/adapter-stage && cp "$2"/*.part* /tmp/adapter-stage/ && log "staged $2"
     else bash bench/gpu_session.sh stage "$2" && log "staged $2"; fi ;;
   install)  # in the background: the kit into /tmp/site; needs every kit chunk
-    setsid nohup bash "$0" _install > "$W/logs/install.log" 2>&1 < /dev/null &
+    cp "$0" "$W/campaign.sh"; ALFRL_REPO=$REPO setsid nohup bash "$W/campaign.sh" _install > "$W/logs/install.log" 2>&1 < /dev/null &
     log "install started" ;;
   _install)
     s=$(date +%s)
@@ -158,7 +193,7 @@ case "${1:-}" in
     touch "$W/install.done"; log "install done" ;;
   start)  # carry .gpu-data (the games archive, the expert trajectories): copied before the call ends
     [ "$DRY" = 1 ] || { mkdir -p /tmp/gpu-data && cp -r .gpu-data/. /tmp/gpu-data/; }
-    setsid nohup bash "$0" _start > "$W/logs/start.log" 2>&1 < /dev/null &
+    cp "$0" "$W/campaign.sh"; ALFRL_REPO=$REPO setsid nohup bash "$W/campaign.sh" _start > "$W/logs/start.log" 2>&1 < /dev/null &
     log "started" ;;
   _start)
     if [ "$DRY" != 1 ]; then
@@ -168,13 +203,16 @@ case "${1:-}" in
       cat /tmp/model-stage/qwen.gguf.part* > .cache/qwen15b-coder/qwen.gguf
       sha=$(sha256sum .cache/qwen15b-coder/qwen.gguf | cut -d' ' -f1)
       [ "$sha" = cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046 ] || { log "GGUF checksum mismatch: $sha"; exit 1; }
+      [ "$PLAN" = figures ] && { timed random_q35 "${ALFRL[@]}" random-model --shape $Q35_SHAPE --out $Q35_MODEL; touch "$W/q35model.done"; } &
       timed convert_gguf "${ALFRL[@]}" convert-gguf .cache/qwen15b-coder --gguf-file qwen.gguf --out .cache/qwen15b-coder-hf || exit 1
       gunzip -c /tmp/gpu-data/expert_qwen15b.jsonl.gz > "$EXPERT"
     fi
+    if [ "$DRY" = 1 ] && [ "$PLAN" = figures ]; then timed random_q35 "${ALFRL[@]}" random-model --shape $Q35_SHAPE --out $Q35_MODEL; touch "$W/q35model.done"; fi
     touch "$W/model.done"
-    learn_lane; touch "$W/all.done"; log "all done" ;;
+    if [ "$PLAN" = figures ]; then figures_lane; else learn_lane; fi
+    wait; touch "$W/all.done"; log "all done" ;;
   bench)  # after the learning job: the bench alone on the GPU
-    setsid nohup bash "$0" _bench > "$W/logs/bench_lane.log" 2>&1 < /dev/null &
+    cp "$0" "$W/campaign.sh"; ALFRL_REPO=$REPO setsid nohup bash "$W/campaign.sh" _bench > "$W/logs/bench_lane.log" 2>&1 < /dev/null &
     log "bench started" ;;
   _bench)
     while pgrep -f "alfrl.cl[i] " > /dev/null; do sleep 3; done
@@ -188,14 +226,14 @@ case "${1:-}" in
     [ -f "$mark" ] && echo "all done" ;;
   pieces) pieces "$2" "$3" ;;
   eval-adapter)  # eval-adapter NAME: the 274-game evaluation of an adapter brought back in pieces (.gpu-adapter/p1, p2 staged)
-    setsid nohup bash "$0" _eval_adapter "$2" > "$W/logs/eval_adapter_$2.log" 2>&1 < /dev/null &
+    cp "$0" "$W/campaign.sh"; ALFRL_REPO=$REPO setsid nohup bash "$W/campaign.sh" _eval_adapter "$2" > "$W/logs/eval_adapter_$2.log" 2>&1 < /dev/null &
     log "evaluation of the brought-back adapter $2 started" ;;
   _eval_adapter)
     while [ ! -f "$W/model.done" ]; do sleep 2; done   # after `start` converted the model
     mkdir -p "$RUN/$2-adapter" && cat /tmp/adapter-stage/*.part* | tar -xf - -C "$RUN/$2-adapter" || exit 1
     eval_run "$2" side --adapter "$RUN/$2-adapter/a"; touch "$W/$2.done"; log "evaluation of $2 done" ;;   # beside the learning job: a fixed KV cache
   finish)  # after a fit that stopped on its own: the RL adapter's evaluation, then the report
-    setsid nohup bash "$0" _finish > "$W/logs/finish.log" 2>&1 < /dev/null &
+    cp "$0" "$W/campaign.sh"; ALFRL_REPO=$REPO setsid nohup bash "$W/campaign.sh" _finish > "$W/logs/finish.log" 2>&1 < /dev/null &
     log "finish started" ;;
   _finish)
     while pgrep -f "alfrl.cl[i] " > /dev/null; do sleep 3; done

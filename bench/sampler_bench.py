@@ -109,10 +109,10 @@ def update_phase(policy, samples, temperature: float, steps: int = 2) -> dict:
     body, head = model_flops(policy)
     out = {"samples": len(samples), "sequence_tokens": sum(len(s) for s in samples), "trained_tokens": sum(s.trained_tokens for s in samples),
            "body_parameters": body, "output_layer_parameters": head, "runs": []}
-    for mode in ("sampler", "recompute"):
+    for mode, runs in (("sampler", steps), ("recompute", 1)):  # the first run of a process warms up; recompute adds old log-probs
         policy.hparams.ppo = dataclasses.replace(policy.ppo, old_logprobs=mode)
         optimizer = torch.optim.AdamW(policy.trainable_parameters(), lr=1e-6, betas=(0.9, 0.95))
-        for _ in range(steps):
+        for _ in range(runs):
             torch.cuda.synchronize() if torch.cuda.is_available() else None
             stats, seconds = timed(lambda: policy.update(samples, optimizer=optimizer, temperature=temperature))
             tokens, trained = out["sequence_tokens"], out["trained_tokens"]

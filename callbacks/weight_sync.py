@@ -7,27 +7,44 @@ metrics. A failed check stops the run with ``WeightSyncError``.
 
 from __future__ import annotations
 
+import logging
+
 import lightning as L
 
 from alfrl.sync import WeightSyncError  # noqa: F401  (re-exported: the error users see)
+
+log = logging.getLogger("alfrl")
 
 
 class SamplerWeightSync(L.Callback):
     """Sync at the start of training and after every update."""
 
-    def __init__(self, check: bool = True):
+    def __init__(self, check: bool = True, canary_at_step: int = 0):
         """
         Args:
             check: compare engine and trainer log-probs of a probe sequence after each sync.
+            canary_at_step: after this update (1 = the first; 0 = never), first try a sync that skips the
+                push and log whether the checks caught it (``sync/canary_caught``), then sync for real: a check
+                of the check on your model and settings. An update too small to tell from numerical noise
+                cannot be caught (``sync/canary_trainer_change`` against ``sync/canary_floor`` says so).
         """
+        if canary_at_step < 0:
+            raise ValueError(f"weight_sync.canary_at_step={canary_at_step} must be >= 0 (0: no canary)")
         self.check = check
+        self.canary_at_step = canary_at_step
         self.last: dict[str, float] = {}
 
     def on_train_start(self, trainer: L.Trainer, pl_module) -> None:
         self.sync(trainer, pl_module)
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        canary = {}
+        if self.check and self.canary_at_step and trainer.global_step == self.canary_at_step:
+            canary = trainer.datamodule.sampler.weight_sync(self.check).canary(pl_module)
+            log.warning("weight-sync canary after update %d: a sync that skipped the push was %s (%s)", trainer.global_step,
+                        "caught" if canary["sync/canary_caught"] else "NOT caught", canary.get("sync/canary_message", ""))
         self.sync(trainer, pl_module)
+        self.last.update({k: v for k, v in canary.items() if isinstance(v, float)})
         for key, value in self.last.items():
             pl_module.log(key, value, on_step=True, batch_size=1)
 

@@ -61,3 +61,26 @@ def test_lora_targets_every_linear_of_both_layer_kinds_and_names_map_to_the_chec
     for key in adapter.tensors:
         module = engine.checkpoint_name(key).removeprefix("base_model.model.").rsplit(".lora_", 1)[0]
         assert module + ".weight" in checkpoint, key
+
+
+def test_the_engine_settings_of_a_gdn_checkpoint_pick_a_prefill_kernel_that_is_installed(small, tiny_model_dir, monkeypatch):
+    import sys
+    import types
+
+    from alfrl import sampler
+    from alfrl.sampler import EngineConfig, auto_gdn_prefill_backend
+
+    extra = EngineConfig(kind="vllm").vllm_extra(small)
+    assert extra["language_model_only"] is True
+    # no GPU here: FlashInfer's kernel for this GPU cannot be the one, so triton (what the offline kit needs on the H200)
+    assert extra["additional_config"] == {"gdn_prefill_backend": "triton"}
+    assert EngineConfig(kind="vllm", gdn_prefill_backend="flashinfer").vllm_extra(small)["additional_config"] == {"gdn_prefill_backend": "flashinfer"}
+    assert "additional_config" not in EngineConfig(kind="vllm").vllm_extra(tiny_model_dir)  # no linear attention: vLLM's own choice
+    # a Hopper GPU: FlashInfer only when its SM90 kernel imported (vLLM would choose it either way)
+    monkeypatch.setattr(sampler.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(sampler.torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    for kernel, expected in ((None, "triton"), (object(), "flashinfer")):
+        fake = types.ModuleType("flashinfer")
+        fake.gdn_kernels = types.SimpleNamespace(chunk_gated_delta_rule_sm90=kernel)
+        monkeypatch.setitem(sys.modules, "flashinfer", fake)
+        assert auto_gdn_prefill_backend() == expected

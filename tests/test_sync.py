@@ -63,6 +63,24 @@ def test_the_gap_alone_misses_a_small_skipped_update_the_response_does_not(setup
     assert gap < 0.01  # what the old check looked at: it would have passed
 
 
+
+def test_the_canary_tries_a_skipped_sync_on_a_copy_and_leaves_the_real_sync_as_it_was(setup):
+    policy, engine, probe, _ = setup
+    sync = WeightSync(engine, probe, tolerance=0.1, min_response=0.5)
+    sync.sync(policy)
+    _train(policy, 5, scale=0.01)
+    before = (sync.last_trainer, sync.cross, sync.norm)
+    canary = sync.canary(policy)
+    assert canary["sync/canary_caught"] == 1.0 and "did not reach the engine" in canary["sync/canary_message"]
+    assert (sync.last_trainer, sync.cross, sync.norm) == before  # the real sync's state is untouched
+    real = sync.sync(policy)  # and the real sync after it measures the whole update
+    assert real["sync/engine_response"] == pytest.approx(1.0, abs=1e-3)
+    assert real["sync/engine_response_running"] == pytest.approx(1.0, abs=1e-3)
+    # an update under the detection floor cannot be told from no sync: reported, not claimed
+    _train(policy, 6, scale=0.0)
+    quiet = sync.canary(policy)
+    assert quiet["sync/canary_caught"] == 0.0 and quiet["sync/canary_trainer_change"] < quiet["sync/canary_floor"]
+
 def test_an_engine_that_does_not_follow_the_trainer_is_caught_by_the_running_response(setup):
     policy, engine, probe, _ = setup
     sync = WeightSync(engine, probe, tolerance=1.0, min_response=0.1)

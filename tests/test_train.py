@@ -29,7 +29,9 @@ def _adapter(root: Path, step: int) -> dict:
 
 def test_make_train_runs_the_tiny_recipe(tmp_path, data_dir, tiny_model_dir):
     root = tmp_path / "run"
-    args = f"--trainer.default_root_dir {root} --model.model_name {tiny_model_dir}"
+    # the engine gets weights only through the sync (as vLLM does), and after the first update a sync that skips its push is tried
+    args = (f"--trainer.default_root_dir {root} --model.model_name {tiny_model_dir} "
+            "--data.engine.separate_weights true --weight_sync.canary_at_step 1")
     out = subprocess.run(["make", "train", "RECIPE=recipes/tiny.yaml", f"ARGS={args}", f"DATA_DIR={data_dir}", f"TINY_MODEL={tiny_model_dir}"],
                          cwd=REPO, env=_env(data_dir), capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
@@ -43,7 +45,9 @@ def test_make_train_runs_the_tiny_recipe(tmp_path, data_dir, tiny_model_dir):
                 "rollout/steps_mean", "rollout/degenerate_groups", "tokens/generated", "rollout/seconds", "sync/probe_abs_logprob_diff"):
         assert key in rows[0], key
     assert float(rows[0]["train/trained_tokens"]) > 0
-    # the HF engine samples from the live policy: sampler and trainer log-probs agree
+    assert float(rows[0]["sync/canary_caught"]) == 1.0  # the skipped sync was caught
+    assert float(rows[0]["sync/engine_response"]) == pytest.approx(1.0, abs=0.05)  # and the real sync after it went through
+    # the HF engine's copy has the trainer's weights: sampler and trainer log-probs agree
     assert abs(float(rows[0]["train/sampler_minus_trainer_logprob"])) < 1e-3
 
 
