@@ -93,6 +93,41 @@ def check_recipe_files(args: list[str]) -> None:
             raise RecipeError(f"--config {value} is empty: start from a recipe in recipes/ (e.g. recipes/tiny.yaml)")
         if not isinstance(content, dict):
             raise RecipeError(f"--config {value} is not a mapping of keys (model:, data:, trainer: ...): see recipes/tiny.yaml")
+        for key, class_path in _class_paths(content):
+            problem = _import_problem(class_path)
+            if problem:
+                raise RecipeError(
+                    f"{key} in --config {value}: {class_path} cannot be imported ({problem}); install its package (e.g. "
+                    f"`pip install swanlab`) or drop it from a copy of the recipe (an override cannot replace a class that does not import)"
+                )
+
+
+def _class_paths(tree, key: str = "") -> list[tuple[str, str]]:
+    """(key, class_path) of every ``class_path:`` in a recipe (loggers, callbacks)."""
+    out = []
+    if isinstance(tree, dict):
+        if isinstance(tree.get("class_path"), str):
+            out.append((key, tree["class_path"]))
+        for k, v in tree.items():
+            out.extend(_class_paths(v, f"{key}.{k}" if key else str(k)))
+    elif isinstance(tree, list):
+        for i, v in enumerate(tree):
+            out.extend(_class_paths(v, f"{key}[{i}]"))
+    return out
+
+
+def _import_problem(class_path: str) -> str | None:
+    """Why ``class_path`` (``module.Class``; a bare name is Lightning's to resolve) does not import, or None."""
+    import importlib
+
+    module, _, name = class_path.rpartition(".")
+    if not module:
+        return None
+    try:
+        getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        return " ".join(str(e).split())
+    return None
 
 
 def run_cli(make, args: list[str]):

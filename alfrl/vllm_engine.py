@@ -259,10 +259,37 @@ class VLLMEngine:
         if self._asleep:
             self.llm.wake_up()
             self._asleep = False
+            self._zero_kv_cache()
             if self._lora_model is not None:  # put the adapter back into the LoRA layers' buffers
                 manager = self._runner().lora_manager._adapter_manager
                 manager.deactivate_adapter(self._lora.lora_int_id)
                 manager.activate_adapter(self._lora.lora_int_id)
+
+    @torch.no_grad()
+    def _zero_kv_cache(self) -> int:
+        """Zero the KV cache (and the linear-attention state kept with it) after a wake-up; returns the bytes zeroed.
+
+        vLLM allocates the cache zeroed at start and, waking from sleep level 1, maps fresh memory back
+        without zeroing it (vLLM 0.26 zeroes it only for fp8 caches). On the H200 (2026-12-01) the first
+        probe after a wake-up of the random Qwen3.5-4B gave non-finite log-probs, the ones after the
+        next push finite; the cause was not isolated, and a zeroed cache is the state the engine started in.
+        """
+        seen, total = set(), 0
+
+        def walk(x) -> None:
+            nonlocal total
+            if isinstance(x, torch.Tensor):
+                storage = x.untyped_storage()
+                if storage.data_ptr() not in seen:
+                    seen.add(storage.data_ptr())
+                    torch.empty(0, dtype=torch.uint8, device=x.device).set_(storage).zero_()
+                    total += storage.nbytes()
+            elif isinstance(x, (list, tuple)):
+                for y in x:
+                    walk(y)
+
+        walk(getattr(self._runner(), "kv_caches", []))
+        return total
 
     def close(self) -> None:
         pass

@@ -5,11 +5,14 @@
 #
 # Calls, back to back (the device tool sends one chunk per call):
 #   bash bench/gpu_campaign.sh stage .gpu-kit/c01            # ... c06 (c01 carries install.sh)
+#   bash bench/gpu_campaign.sh stage .gpu-extra              # what the kit lacks (bench/fetch_extra_wheels.sh): Qwen3.5's GDN kernels
 #   bash bench/gpu_campaign.sh stage .gpu-kit/c07 && bash bench/gpu_campaign.sh install   # the kit, in the background
 #   bash bench/gpu_campaign.sh stage .gpu-model/m01          # ... m19
 #   bash bench/gpu_campaign.sh stage .gpu-model/m20 && bash bench/gpu_campaign.sh start     # carry m20 and .gpu-data
 #   bash bench/gpu_campaign.sh wait 540                      # again until it says "all done"; packs $OUT
 #   bash bench/gpu_campaign.sh bench && bash bench/gpu_campaign.sh wait 540 bench   # if time is left: the GPU alone
+# PLAN=figures (given to `start`) runs the figures lane instead of the learning run: every benchmark alone, then
+# the reference recipe on a random Qwen3.5-4B-structure checkpoint (one update) and its evaluation on 4 games.
 # An adapter brought back from an earlier lease (.gpu-adapter/p1, p2: pieces of a tar of a/ with the
 # adapter's two files), evaluated beside the rest (stage before `start`):
 #   bash bench/gpu_campaign.sh stage .gpu-adapter/p1; bash bench/gpu_campaign.sh stage .gpu-adapter/p2
@@ -87,7 +90,6 @@ else
   T_BENCH=480; T_MERGED=240; T_EVAL=420; T_Q35=720; T_Q35_EVAL=360
 fi
 Q35=recipes/qwen4b_80step.yaml
-CSV_ONLY='[{"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": "'$W/runs/q35'", "name": "csv"}}]'
 
 ALFRL=("$PY" -m alfrl.cli)
 RL_LR=${RL_LR:-2.0e-5}
@@ -129,10 +131,14 @@ figures_lane() {  # every figure alone on the GPU, one after another; a phase th
       && EVAL_TIMEOUT=$T_EVAL eval_run rl10 alone --adapter "$RUN/rl10-adapter/a"
   fi
   while [ ! -f "$W/q35model.done" ]; do sleep 2; done
-  timed q35_fit timeout $T_Q35 "${ALFRL[@]}" fit --config $Q35 --model.model_name $Q35_MODEL "${Q35_ARGS[@]}" --trainer.max_steps 1 \
-    --trainer.default_root_dir "$RUN/q35" --trainer.logger "$CSV_ONLY" --data.rollout.max_assistant_tokens 100 \
+  # the recipe as it is, its loggers CSV only: SwanLab is not in the offline kit, and a recipe naming a logger class that
+  # cannot be imported fails before any --trainer.logger override applies (2026-12-01)
+  "$PY" -c "import sys, yaml; d = yaml.safe_load(open('$Q35')); d['trainer']['logger'] = [{'class_path': 'lightning.pytorch.loggers.CSVLogger',
+    'init_args': {'save_dir': '\${trainer.default_root_dir}', 'name': 'csv'}}]; yaml.safe_dump(d, open('$W/q35.yaml', 'w'), sort_keys=False)"
+  timed q35_fit timeout $T_Q35 "${ALFRL[@]}" fit --config "$W/q35.yaml" --model.model_name $Q35_MODEL "${Q35_ARGS[@]}" --trainer.max_steps 1 \
+    --trainer.default_root_dir "$RUN/q35" --data.rollout.max_assistant_tokens 100 \
     --weight_sync.canary_at_step 1 --checkpoint.save_every 1 --progress_bar.refresh_rate 0
-  timed q35_eval timeout $T_Q35_EVAL "${ALFRL[@]}" eval --config $Q35 --model.model_name $Q35_MODEL "${Q35_EVAL[@]}" --limit-per-split 2 \
+  timed q35_eval timeout $T_Q35_EVAL "${ALFRL[@]}" eval --config "$W/q35.yaml" --model.model_name $Q35_MODEL "${Q35_EVAL[@]}" --limit-per-split 2 \
     --data.eval.max_assistant_tokens 100 --adapter "$RUN/q35/checkpoints/last" --out "$RUN/q35_eval.jsonl"
 }
 

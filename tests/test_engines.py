@@ -90,3 +90,27 @@ def test_a_fixed_kv_cache_size_reaches_vllm_and_is_checked(tiny_model_dir):
     assert EngineConfig(kind="vllm", kv_cache_gib=20).vllm_extra(tiny_model_dir) == {"kv_cache_memory_bytes": 20 * 2**30}
     assert "kv_cache_memory_bytes" not in EngineConfig(kind="vllm").vllm_extra(tiny_model_dir)
     assert EngineConfig(kv_cache_gib=0).problems() == ["data.engine.kv_cache_gib=0 must be > 0 (or null: inferred from gpu_memory_utilization)"]
+
+
+def test_waking_the_vllm_engine_zeroes_its_kv_cache_and_puts_the_adapter_back():
+    """vLLM maps fresh, unzeroed memory back at wake-up; the engine zeroes every cache storage once (views share one)."""
+    from types import SimpleNamespace
+
+    from alfrl.vllm_engine import VLLMEngine
+
+    raw = torch.full((64,), float("nan"))
+    mamba = [raw[:32].view(4, 8), raw[32:].view(8, 4)]  # a linear-attention layer's conv and recurrent state: views of one buffer
+    attention = torch.full((2, 16), float("nan"))
+    calls = []
+    manager = SimpleNamespace(deactivate_adapter=lambda i: calls.append(("off", i)), activate_adapter=lambda i: calls.append(("on", i)))
+    runner = SimpleNamespace(kv_caches=[attention, mamba], lora_manager=SimpleNamespace(_adapter_manager=manager))
+    engine = object.__new__(VLLMEngine)
+    engine.llm = SimpleNamespace(wake_up=lambda: calls.append("wake"))
+    engine._asleep, engine._lora_model, engine._lora = True, object(), SimpleNamespace(lora_int_id=3)
+    engine._runner = lambda: runner
+    engine.wake_up()
+    assert calls == ["wake", ("off", 3), ("on", 3)]
+    assert not torch.isnan(raw).any() and (raw == 0).all() and (attention == 0).all()
+    assert engine._zero_kv_cache() == raw.nbytes + attention.nbytes  # each storage once
+    engine.wake_up()  # awake already: nothing happens
+    assert calls == ["wake", ("off", 3), ("on", 3)]

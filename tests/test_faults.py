@@ -71,6 +71,8 @@ BAD_FIT = [
     (["--config", "recipes/tiny.yaml", "--trainer.max_steps", "-3"], "trainer.max_steps=-3: the number of updates must be >= 1"),
     (["--config", "recipes/tiny.yaml", "--checkpoint.save_every", "-1"], "checkpoint.save_every=-1 must be >= 0"),
     (["--config", "recipes/tiny.yaml", "--periodic_eval.every_n_steps", "-2"], "periodic_eval.every_n_steps=-2 must be >= 0"),
+    (["--config", "recipes/tiny.yaml", "--weight_sync.canary_at_step", "-1"], "weight_sync.canary_at_step=-1 must be >= 0"),
+    (["--config", "NOLOGGER"], "trainer.logger[1] in --config"),
     (["--config", "recipes/tiny.yaml", "--model.optim.weight_decay", "-0.1"], "model.optim.weight_decay=-0.1 must be >= 0"),
     (["--config", "recipes/tiny.yaml", "--model.lora.target_modules", "[q_proj,foo_proj]"], "model.lora.target_modules has ['foo_proj']"),
     (["--config", "recipes/tiny.yaml", "--model.ppo.minibatches", "20"], "model.ppo.minibatches=20 exceeds the 8 trajectories"),
@@ -91,13 +93,22 @@ def test_bad_fit_input_is_one_clear_line_and_status_2(args, expected, tmp_path, 
     (ckpt / "adapter").mkdir(parents=True)
     (ckpt / "trainer.ckpt").write_bytes(b"")
     (ckpt / "adapter" / "adapter_config.json").write_text(json.dumps({"r": 4, "lora_alpha": 16}))
-    args = [str(empty) if a == "EMPTY" else str(ckpt) if a == "CKPT" else a for a in args]
+    import yaml
+
+    recipe = yaml.safe_load(open("recipes/tiny.yaml"))
+    recipe["trainer"]["logger"] = [{"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": str(tmp_path)}},
+                                   {"class_path": "no_such_logging_pkg.Logger"}]  # e.g. SwanLab where swanlab is not installed
+    nologger = tmp_path / "nologger.yaml"
+    nologger.write_text(yaml.safe_dump(recipe))
+    args = [str(empty) if a == "EMPTY" else str(ckpt) if a == "CKPT" else str(nologger) if a == "NOLOGGER" else a for a in args]
     if "--model.model_name" not in args:
         args += ["--model.model_name", tiny_model_dir]
     assert main(["fit", *args]) == 2
     err = capsys.readouterr().err
     assert expected in err, err
     assert "Traceback" not in err and "Loading weights" not in err
+    if expected.startswith("trainer.logger"):
+        assert "no_such_logging_pkg.Logger cannot be imported (No module named 'no_such_logging_pkg')" in err
 
 
 def test_bad_eval_and_report_input_is_one_clear_line(tmp_path, capsys):

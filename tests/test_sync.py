@@ -135,3 +135,26 @@ def test_sampler_and_trainer_log_probs_agree_at_the_sampling_temperature(tmp_pat
         assert torch.allclose(old, torch.tensor(c.logprobs), atol=1e-4)
     at_one = policy.old_logprobs(samples, temperature=1.0)
     assert (at_one[0] - torch.tensor(completions[0].logprobs)).abs().mean() > 1e-3  # T = 1 would be the wrong distribution
+
+
+def test_non_finite_log_probs_stop_the_sync_instead_of_passing_every_comparison(setup):
+    policy, engine, probe, _ = setup
+    sync = WeightSync(engine, probe, tolerance=0.1, min_response=0.5)
+    sync.sync(policy)
+    _train(policy, 7, scale=0.01)
+    score = engine.score
+    engine.score = lambda ids: score(ids)[:-1] + [float("nan")]
+    with pytest.raises(WeightSyncError, match="not finite"):
+        sync.sync(policy)
+
+
+def test_a_skipped_sync_under_the_noise_floor_is_still_caught_when_the_engine_did_not_move_at_all(setup):
+    policy, engine, probe, _ = setup
+    sync = WeightSync(engine, probe, tolerance=0.1, min_response=0.5)
+    sync.sync(policy)
+    sync.floor = 1.0  # a floor far above this update: the response is not checked, the exact-zero rule still is
+    _train(policy, 8, scale=0.001)
+    with pytest.raises(WeightSyncError, match="did not move at all"):
+        sync.sync(policy, push=False)
+    real = sync.sync(policy)
+    assert "sync/engine_response_running" not in real and real["sync/engine_response"] == pytest.approx(1.0, abs=1e-3)
