@@ -150,8 +150,14 @@ def main(argv: list[str]) -> int:
             return 0
         summary = _merge([out.with_name(f"{out.stem}.rank{r}-of-{world}{out.suffix}") for r in range(world)], games, out, config)
     seconds = summary.pop("seconds", None)  # this process's evaluation time, not part of the results
+    spent = summary.pop("time", None)
     print(format_summary(summary))
     summary_file = out.with_suffix(".summary.json")
     summary_file.write_text(json.dumps(summary, indent=2))
     print(f"\nresults: {out}\nsummary: {summary_file}" + (f"\nevaluation time: {seconds:.1f} s" if seconds is not None else ""))
+    if spent and seconds:
+        cached = spent.get("cached_prompt_tokens", 0) / max(spent.get("prompt_tokens", 0), 1)
+        print(f"  in engine steps {spent['engine_seconds']:.1f} s ({spent['engine_seconds'] / seconds:.0%}), waiting for environments "
+              f"{spent['env_wait_seconds']:.1f} s; {spent['requests']} requests, {spent.get('generated_tokens', 0)} generated tokens, "
+              f"{spent.get('prompt_tokens', 0)} prompt tokens ({cached:.1%} from the prefix cache)")
     return 0

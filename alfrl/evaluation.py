@@ -210,11 +210,13 @@ def run_eval(
     config: dict,
     overwrite: bool = False,
     on_game: Callable[[int, int], None] | None = None,
+    spent: dict | None = None,
 ) -> dict:
     """Play ``games`` (one trajectory each) into ``out`` and return the summary (also written last).
 
     ``config`` describes the run (model, adapter, protocol) and is stored in the header; resuming
     needs the same config. ``on_game(done, total)`` is called after each game's record is written.
+    ``spent``, if given, gets where the time went: engine and environment-wait seconds, requests.
     """
     out = Path(out)
     header = results_header(config, [g.id for g in games])
@@ -244,8 +246,13 @@ def run_eval(
             if on_game:
                 on_game(len(records), len(games))
 
+        spent = {} if spent is None else spent
+        for key in ("engine_seconds", "env_wait_seconds", "requests"):
+            spent.setdefault(key, 0)
         for i in range(0, len(todo), cfg.games_per_chunk):
             runner.run(todo[i : i + cfg.games_per_chunk], group_size=1, seed=cfg.seed, on_group=write)
+            for key in ("engine_seconds", "env_wait_seconds", "requests"):
+                spent[key] += getattr(runner.stats, key)
     order = {g.id: i for i, g in enumerate(games)}
     records.sort(key=lambda r: order[r["game_id"]])
     summary = summarize(records)

@@ -278,9 +278,14 @@ class Sampler:
         """The evaluation protocol on ``games`` into the resumable result file ``out``; returns the summary."""
         cfg = cfg or self.eval_cfg
         self.engine.wake_up()
+        before = self.engine.counters()
         start = time.perf_counter()
-        summary = run_eval(self.runner(cfg.rollout_config(self.rollout_cfg)), games, cfg, out, config, overwrite, on_game)
+        spent: dict = {}
+        summary = run_eval(self.runner(cfg.rollout_config(self.rollout_cfg)), games, cfg, out, config, overwrite, on_game, spent)
         summary["seconds"] = time.perf_counter() - start
+        c = self.engine.counters().minus(before)
+        summary["time"] = {**spent, "prompt_tokens": c.prompt_tokens, "cached_prompt_tokens": c.cached_prompt_tokens,
+                           "generated_tokens": c.generated_tokens}  # where this process's time went (not part of the results)
         return summary
 
     def close(self) -> None:

@@ -257,7 +257,7 @@ def main() -> None:
                 summary = sampler.evaluate(eval_list, args.eval_out or args.out + ".eval.jsonl", {"model_name": policy.hparams.model_name,
                                            "adapter": None, "bench": "sampler_bench"}, cfg, overwrite=True)
                 report["phases"]["eval"] = {"games": len(eval_list), "seconds": summary.pop("seconds"), "overall": summary["overall"],
-                                            "splits": summary["splits"]}
+                                            "splits": summary["splits"], "time": summary.get("time")}
             elif phase in ("update", "sync"):
                 if async_result is None:
                     async_result = sampler.rollout(games, dm.group_size, seed=7)
