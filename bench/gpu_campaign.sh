@@ -82,7 +82,9 @@ else
   EVAL_SIDE=(--data.env.num_workers 6 --data.engine.gpu_memory_utilization 0.22 --data.engine.kv_cache_gib 24 --data.eval.max_live_games 70)
   # alone: 0.75 of the GPU holds ~3.5 M tokens of KV cache (28 KiB each), 274 x 12,000 = 3.3 M at most
   EVAL_ALONE=(--data.env.num_workers 16 --data.engine.gpu_memory_utilization 0.75)
-  SFT_ARGS=(); MAX_STEPS=20; STEP_S=45; EVAL_S=240
+  # SFT_STEPS: the warm start's updates of 64K tokens (the recipe's 12 cover 0.7 of a pass over 570 walkthroughs; a
+  # pass over every training game's, EXPERT_GZ=expert_qwen15b_all.jsonl.gz, is ~105 steps, ~9 GPU minutes)
+  SFT_ARGS=(${SFT_STEPS:+--trainer.max_steps "$SFT_STEPS"}); MAX_STEPS=20; STEP_S=45; EVAL_S=240
   # the figures lane: the reference recipe on a random Qwen3.5-4B-structure checkpoint (random weights never
   # stop on their own: completions run to a fixed 100 tokens, so trajectories reach the 12,000-token budget)
   Q35_MODEL=.cache/random-qwen3.5-4b; Q35_SHAPE=qwen3.5-4b
