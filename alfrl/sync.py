@@ -79,7 +79,7 @@ class WeightSync:
         self.first: tuple[list[float], list[float]] | None = None
         """Engine and trainer probe log-probs at the first sync."""
         self.cross = 0.0
-        """Running sums over the syncs above the floor: sum(d_e d_t) and sum(d_t d_t)."""
+        """Running sums over the syncs above the noise floor: sum(d_e d_t) and sum(d_t d_t)."""
         self.norm = 0.0
 
     def push(self, policy) -> tuple[int, int]:
@@ -146,16 +146,16 @@ class WeightSync:
 
     def canary(self, policy) -> dict:
         """A sync that skips the push, tried on a copy of this sync's state (this one is left as it was):
-        ``sync/canary_caught`` 1.0 when the checks raised, else 0.0 with the trainer's probe change and the
-        detection floor (a change under the floor is numerical noise and cannot be told from no sync)."""
+        ``sync/canary_caught`` 1.0 when the checks raised, else 0.0 with the trainer's probe change since
+        the last sync (0 when the update did not move the probe: then there is nothing to catch)."""
         trial = copy.copy(self)
         try:
             metrics = trial.sync(policy, push=False)
         except WeightSyncError as e:
             return {"sync/canary_caught": 1.0, "sync/canary_message": str(e)}
         change = metrics.get("sync/trainer_change", 0.0)
-        return {"sync/canary_caught": 0.0, "sync/canary_trainer_change": change, "sync/canary_floor": float(self.floor or 0.0),
-                "sync/canary_message": f"the trainer's probe log-probs moved {change:.2e} per token, detection floor {self.floor or 0.0:.2e}"}
+        return {"sync/canary_caught": 0.0, "sync/canary_trainer_change": change,
+                "sync/canary_message": f"the trainer's probe log-probs moved {change:.2e} per token since the last sync"}
 
     def _hint(self) -> str:
         return " In merged mode bf16 rounding swallows small updates: use data.engine.weight_sync: lora." if self.mode == "merged" else ""

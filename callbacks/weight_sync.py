@@ -25,8 +25,8 @@ class SamplerWeightSync(L.Callback):
             check: compare engine and trainer log-probs of a probe sequence after each sync.
             canary_at_step: after this update (1 = the first; 0 = never), first try a sync that skips the
                 push and log whether the checks caught it (``sync/canary_caught``), then sync for real: a check
-                of the check on your model and settings. An update too small to tell from numerical noise
-                cannot be caught (``sync/canary_trainer_change`` against ``sync/canary_floor`` says so).
+                of the check on your model and settings. An update that did not move the probe at all
+                leaves nothing to catch (``sync/canary_trainer_change`` 0).
         """
         if canary_at_step < 0:
             raise ValueError(f"weight_sync.canary_at_step={canary_at_step} must be >= 0 (0: no canary)")
