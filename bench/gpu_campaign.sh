@@ -62,7 +62,8 @@ if [ "$DRY" = 1 ]; then
   Q35_ARGS=(--data.engine.kind hf --data.engine.separate_weights true --trainer.accelerator cpu --data.games_per_batch 1 --data.group_size 2
             --data.rollout.max_episode_steps 2 --data.env.num_workers 2)
   Q35_EVAL=(--data.engine.kind hf --trainer.accelerator cpu --data.eval.max_episode_steps 2 --data.env.num_workers 2)
-  T_BENCH=600; T_MERGED=300; T_EVAL=300; T_Q35=600; T_Q35_EVAL=300
+  T_BENCH=600; T_MERGED=300; T_EVAL=300; T_Q35=600; T_Q35_EVAL=300; T_FIT=600
+  FIT_ARGS=(--trainer.accelerator cpu --data.env.num_workers 2 --data.games_per_batch 2)
 else
   export ALFWORLD_DATA=$REPO/.cache/alfworld
   PY=${PY:-python3}
@@ -89,7 +90,8 @@ else
   # stop on their own: completions run to a fixed 100 tokens, so trajectories reach the 12,000-token budget)
   Q35_MODEL=.cache/random-qwen3.5-4b; Q35_SHAPE=qwen3.5-4b
   Q35_ARGS=(--trainer.accelerator gpu); Q35_EVAL=(--trainer.accelerator gpu)
-  T_BENCH=480; T_MERGED=240; T_EVAL=420; T_Q35=720; T_Q35_EVAL=360
+  T_BENCH=480; T_MERGED=240; T_EVAL=420; T_Q35=720; T_Q35_EVAL=360; T_FIT=300
+  FIT_ARGS=(--trainer.accelerator gpu --data.env.num_workers 16 --data.engine.gpu_memory_utilization 0.4)
 fi
 Q35=recipes/qwen4b_80step.yaml
 
@@ -131,6 +133,9 @@ figures_lane() {  # every figure alone on the GPU, one after another; a phase th
   [ "$DRY" = 1 ] && fig_bench=(--games 2 --dry --phases runners update sync "${BENCH_OVERRIDES[@]}")
   timed bench_lora timeout $T_BENCH "$PY" bench/sampler_bench.py --recipe $RL --out "$W/results/sampler_bench_lora.json" "${fig_bench[@]}"
   timed bench_merged timeout $T_MERGED "$PY" bench/sampler_bench.py --recipe $RL --out "$W/results/sampler_bench_merged.json" "${MERGED[@]}"
+  # the 1.5B recipe's step measured as `alfrl fit` runs it (rollout, update, sync), alone: 2 updates, timings in its CSV
+  [ "${FIT_STEPS:-2}" -gt 0 ] && timed fit_15b timeout $T_FIT "${ALFRL[@]}" fit --config $RL "${MODEL[@]}" "${FIT_ARGS[@]}" \
+    --trainer.max_steps "${FIT_STEPS:-2}" --trainer.default_root_dir "$RUN/fit_15b" --checkpoint.save_every 0 --progress_bar.refresh_rate 0
   if ls /tmp/adapter-stage/*.part* > /dev/null 2>&1; then
     mkdir -p "$RUN/rl10-adapter" && cat /tmp/adapter-stage/*.part* | tar -xf - -C "$RUN/rl10-adapter" \
       && EVAL_TIMEOUT=$T_EVAL eval_run rl10 alone --adapter "$RUN/rl10-adapter/a"
@@ -172,7 +177,7 @@ report() {
 
 pack() {  # results (small) and the trajectories (gzipped) into $OUT
   cp "$W/logs/campaign.log" "$W/results/" 2>/dev/null
-  for d in sft rl; do for v in "$RUN/$d"/csv/version_*; do [ -f "$v/metrics.csv" ] && cp "$v/metrics.csv" "$W/results/${d}_metrics_$(basename "$v").csv"; done; done
+  for d in sft rl fit_15b q35; do for v in "$RUN/$d"/csv/version_*; do [ -f "$v/metrics.csv" ] && cp "$v/metrics.csv" "$W/results/${d}_metrics_$(basename "$v").csv"; done; done
   tar -czf "$OUT/results.tgz" -C "$W" results logs 2>/dev/null
   for f in "$RUN"/*.jsonl; do [ -f "$f" ] && gzip -c "$f" > "$OUT/$(basename "$f").gz"; done
   ls -la "$OUT"
