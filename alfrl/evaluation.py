@@ -202,6 +202,10 @@ def _read_existing(path: Path) -> tuple[dict | None, list[dict]]:
     return header, games
 
 
+SPENT_KEYS = ("engine_seconds", "env_wait_seconds", "requests")
+"""The ``RolloutStats`` fields an evaluation adds up over its chunks (where its time went)."""
+
+
 def run_eval(
     runner: RolloutRunner,
     games: list[Game],
@@ -247,11 +251,11 @@ def run_eval(
                 on_game(len(records), len(games))
 
         spent = {} if spent is None else spent
-        for key in ("engine_seconds", "env_wait_seconds", "requests"):
+        for key in SPENT_KEYS:
             spent.setdefault(key, 0)
         for i in range(0, len(todo), cfg.games_per_chunk):
             runner.run(todo[i : i + cfg.games_per_chunk], group_size=1, seed=cfg.seed, on_group=write)
-            for key in ("engine_seconds", "env_wait_seconds", "requests"):
+            for key in SPENT_KEYS:  # each chunk's runner.run starts its stats afresh
                 spent[key] += getattr(runner.stats, key)
     order = {g.id: i for i, g in enumerate(games)}
     records.sort(key=lambda r: order[r["game_id"]])

@@ -67,14 +67,20 @@ def text_config_of(config):
     return getattr(config, "text_config", None) or config
 
 
-def is_vision_language(model_name: str) -> bool:
-    """Whether the checkpoint is a vision-language model (its config has a text config inside)."""
+def read_config(model_name: str):
+    """The checkpoint's transformers config, or None when it cannot be read (the engine start reports that)."""
     try:
         from transformers import AutoConfig
 
-        return getattr(AutoConfig.from_pretrained(model_name), "text_config", None) is not None
+        return AutoConfig.from_pretrained(model_name)
     except Exception:  # noqa: BLE001 - an unreadable config: the engine start reports it
-        return False
+        return None
+
+
+def is_vision_language(model_name: str, config=None) -> bool:
+    """Whether the checkpoint is a vision-language model (its config has a text config inside)."""
+    config = config if config is not None else read_config(model_name)
+    return getattr(config, "text_config", None) is not None
 
 
 def has_linear_attention(config) -> bool:

@@ -106,7 +106,7 @@ class EngineConfig:
 
     def vllm_extra(self, model_path: str) -> dict:
         """The ``vllm.LLM`` arguments these settings add for ``model_path``."""
-        from alfrl.models import is_vision_language
+        from alfrl.models import has_linear_attention, is_vision_language, read_config
 
         extra: dict = {}
         if self.kv_cache_gib is not None:
@@ -115,27 +115,16 @@ class EngineConfig:
             extra["max_num_seqs"] = self.max_num_seqs
         if self.max_num_batched_tokens is not None:
             extra["max_num_batched_tokens"] = self.max_num_batched_tokens
-        vl = is_vision_language(model_path)
+        config = read_config(model_path)
+        vl = is_vision_language(model_path, config)
         if self.language_model_only if self.language_model_only is not None else vl:
             extra["language_model_only"] = True
         backend = self.gdn_prefill_backend
-        if backend is None and has_linear_attention_at(model_path):
+        if backend is None and config is not None and has_linear_attention(config):
             backend = auto_gdn_prefill_backend()
         if backend is not None:
             extra["additional_config"] = {"gdn_prefill_backend": backend}
         return extra
-
-
-def has_linear_attention_at(model_path: str) -> bool:
-    """Whether the checkpoint at ``model_path`` has Gated DeltaNet (linear-attention) layers."""
-    from alfrl.models import has_linear_attention
-
-    try:
-        from transformers import AutoConfig
-
-        return has_linear_attention(AutoConfig.from_pretrained(model_path))
-    except Exception:  # noqa: BLE001 - an unreadable config: the engine start reports it
-        return False
 
 
 def auto_gdn_prefill_backend() -> str:

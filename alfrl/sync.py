@@ -104,12 +104,12 @@ class WeightSync:
             return metrics
         after = self.engine.score(self.probe)
         trainer = policy.score(self.probe)
-        for who, scores in (("engine before the push", before), ("engine", after), ("trainer", trainer)):
-            if scores is not None and not all(math.isfinite(x) for x in scores):
+        for who, scores in ((f"{self.engine.name} engine before the push", before), (f"{self.engine.name} engine", after), ("trainer", trainer)):
+            bad = 0 if scores is None else sum(not math.isfinite(x) for x in scores)
+            if bad:
                 raise WeightSyncError(
-                    f"after syncing weight version {policy.weight_version}, the {who}'s log-probs of the probe are not finite "
-                    f"({sum(not math.isfinite(x) for x in scores)} of {len(scores)}): the {self.engine.name if who != 'trainer' else 'trainer'} "
-                    "computes garbage (a NaN comparison would pass every check, so this stops here)"
+                    f"after syncing weight version {policy.weight_version}, {bad} of the {who}'s {len(scores)} probe log-probs are "
+                    "not finite: it computes garbage (a NaN comparison would pass every other check, so this stops here)"
                 )
         gap = _mean_abs([a - b for a, b in zip(after[1:], trainer[1:])])
         metrics["sync/probe_abs_logprob_diff"] = gap
@@ -118,8 +118,9 @@ class WeightSync:
             self.first = (after, trainer)
         elif before is not None:  # logged only: the engine's total change since the first sync against the trainer's
             total_t = _diff(self.first[1], trainer)
-            if _dot(total_t, total_t) > 0:
-                metrics["sync/engine_response_total"] = _dot(_diff(self.first[0], after), total_t) / _dot(total_t, total_t)
+            total_norm = _dot(total_t, total_t)
+            if total_norm > 0:
+                metrics["sync/engine_response_total"] = _dot(_diff(self.first[0], after), total_t) / total_norm
         if gap > self.tolerance:
             raise WeightSyncError(
                 f"after syncing weight version {policy.weight_version}, the {self.engine.name} engine's log-probs of the probe "

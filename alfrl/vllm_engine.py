@@ -64,6 +64,7 @@ class VLLMEngine:
         self._next_lora_id = 1
         self._submitted = 0
         self.sleep_freed_gib: float | None = None
+        """GPU memory the last sleep handed back (weights offloaded, KV cache dropped)."""
         self.lora_enabled = lora_rank is not None
         kwargs = dict(extra or {})
         self.vision_language = bool(kwargs.get("language_model_only"))
@@ -253,7 +254,6 @@ class VLLMEngine:
             self.llm.sleep(level=1)
             self._asleep = True
             self.sleep_freed_gib = (torch.cuda.mem_get_info()[0] - free) / 2**30
-            """GPU memory the last sleep handed back (weights offloaded, KV cache dropped)."""
 
     def wake_up(self) -> None:
         if self._asleep:
