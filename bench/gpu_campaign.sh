@@ -10,7 +10,9 @@
 #   bash bench/gpu_campaign.sh stage .gpu-model/m01          # ... m19
 #   bash bench/gpu_campaign.sh stage .gpu-model/m20 && bash bench/gpu_campaign.sh start     # carry m20 and .gpu-data
 #   bash bench/gpu_campaign.sh wait 540                      # again until it says "all done"; packs $OUT
+#   bash bench/gpu_campaign.sh send rl 0; ... send rl 1; send sft 0; send sft 1   # the adapters (bf16, 5 pieces each), once RL ended
 #   bash bench/gpu_campaign.sh bench && bash bench/gpu_campaign.sh wait 540 bench   # if time is left: the GPU alone
+# Between calls the machine waits 30 s, then goes back with everything on it: decide before the first call.
 # PLAN=figures (given to `start`) runs the figures lane instead of the learning run: every benchmark alone, then
 # the reference recipe on a random Qwen3.5-4B-structure checkpoint (one update) and its evaluation on 4 games.
 # An adapter brought back from an earlier lease (.gpu-adapter/p1, p2: pieces of a tar of a/ with the
@@ -20,7 +22,7 @@
 #
 # The learning job, after the GGUF became a Hugging Face folder:
 #   base:  the base model's 274-game evaluation (0.22 of the GPU, at most 70 games at once) beside
-#   sft:   alfrl sft on the expert plans (.gpu-data/expert_qwen15b.jsonl.gz); then
+#   sft:   alfrl sft on the expert plans (.gpu-data/expert_qwen15b_all.jsonl.gz, every training game); then
 #   rl:    alfrl fit from the SFT adapter (as many updates as the deadline allows, every one saved)
 #          beside the SFT adapter's evaluation (as the base's); then the RL adapter's evaluation
 #          (0.5 of the GPU, every game at once), then alfrl report (paired tests, curves).
@@ -69,7 +71,7 @@ else
   PY=${PY:-python3}
   RL=recipes/qwen15b_coder_h200.yaml; SFT=recipes/sft_qwen15b.yaml
   MODEL=()
-  EXPERT=$W/expert_qwen15b.jsonl       # from .gpu-data/${EXPERT_GZ:-expert_qwen15b.jsonl.gz}
+  EXPERT=$W/expert_qwen15b.jsonl       # from .gpu-data/${EXPERT_GZ:-expert_qwen15b_all.jsonl.gz}
   SYNC=(--games 2 --phases sync -- --data.engine.gpu_memory_utilization=0.4 --data.env.num_workers=4 --trainer.logger=false)
   MERGED=(--games 2 --phases sync -- --data.engine.weight_sync=merged --data.engine.gpu_memory_utilization=0.4 --data.env.num_workers=4 --trainer.logger=false)
   BENCH=(--phases ceiling runners update -- --data.engine.gpu_memory_utilization=0.4 --data.env.num_workers=16 --trainer.logger=false)
@@ -83,9 +85,11 @@ else
   EVAL_SIDE=(--data.env.num_workers 6 --data.engine.gpu_memory_utilization 0.22 --data.engine.kv_cache_gib 24 --data.eval.max_live_games 70)
   # alone: 0.75 of the GPU holds ~3.5 M tokens of KV cache (28 KiB each), 274 x 12,000 = 3.3 M at most
   EVAL_ALONE=(--data.env.num_workers 16 --data.engine.gpu_memory_utilization 0.75)
-  # SFT_STEPS: the warm start's updates of 64K tokens (the recipe's 12 cover 0.7 of a pass over 570 walkthroughs; a
-  # pass over every training game's, EXPERT_GZ=expert_qwen15b_all.jsonl.gz, is ~105 steps, ~9 GPU minutes)
-  SFT_ARGS=(${SFT_STEPS:+--trainer.max_steps "$SFT_STEPS"}); MAX_STEPS=20; STEP_S=45; EVAL_S=240
+  # SFT_STEPS: the warm start's updates of 64K tokens instead of the recipe's 30 (7.3 s each on the H200, 2026-12-01;
+  # a pass over every training game's walkthroughs is ~105 steps); with every game's walkthroughs, 0.05 held out
+  # would be ~180 trajectories scored at every check: 0.02 (the recipe's), checked twice
+  SFT_ARGS=(${SFT_STEPS:+--trainer.max_steps "$SFT_STEPS" --trainer.val_check_interval $(( SFT_STEPS / 2 )) --data.validation_fraction 0.02})
+  MAX_STEPS=20; STEP_S=45; EVAL_S=${EVAL_S:-240}
   # the figures lane: the reference recipe on a random Qwen3.5-4B-structure checkpoint (random weights never
   # stop on their own: completions run to a fixed 100 tokens, so trajectories reach the 12,000-token budget)
   Q35_MODEL=.cache/random-qwen3.5-4b; Q35_SHAPE=qwen3.5-4b
@@ -160,11 +164,13 @@ learn_lane() {
   ( eval_run sft side --adapter "$RUN/sft/checkpoints/last"; touch "$W/sft_eval.done" ) &
   local left=$(( DEADLINE - $(date +%s) - EVAL_S ))   # keep time for the last evaluation
   local steps=$(( left / STEP_S )); [ $steps -gt $MAX_STEPS ] && steps=$MAX_STEPS; [ $steps -lt 1 ] && steps=1
+  [ -n "${RL_STEPS:-}" ] && steps=$RL_STEPS   # a fixed count (the deadline's max_time still stops it)
   log "RL: $steps updates (max_time $left s)"
   timed rl env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "${ALFRL[@]}" fit --config $RL "${MODEL[@]}" "${TRAIN[@]}" --trainer.accelerator "$ACCEL" \
     --model.init_adapter "$RUN/sft/checkpoints/last" --model.optim.lr "$RL_LR" --data.reward.invalid_penalty "$RL_INVALID_PENALTY" \
     --trainer.default_root_dir "$RUN/rl" --trainer.max_steps $steps --trainer.max_time "$(printf '00:00:%02d:%02d' $((left / 60)) $((left % 60)))" \
     --checkpoint.save_every 1 --progress_bar.refresh_rate 0
+  adapter_pieces sft; adapter_pieces rl   # ready to be brought back (`send`) whatever happens to the last evaluation
   wait   # the base and SFT evaluations: the last one gets the GPU's memory
   eval_run rl alone --adapter "$RUN/rl/checkpoints/last"
   report
@@ -182,6 +188,24 @@ pack() {  # results (small) and the trajectories (gzipped) into $OUT
   tar -czf "$OUT/results.tgz" -C "$W" results logs 2>/dev/null
   for f in "$RUN"/*.jsonl; do [ -f "$f" ] && gzip -c "$f" > "$OUT/$(basename "$f").gz"; done
   ls -la "$OUT"
+}
+
+adapter_pieces() {  # adapter_pieces RUN_NAME: its last adapter in bf16 (half the fp32 checkpoint's bytes), tarred as a/, in 15 MiB pieces
+  local d="$RUN/$1/checkpoints" p="$W/send_$1"
+  [ -f "$d/last" ] || { log "no checkpoint of $1 to send"; return 1; }
+  rm -rf "$p" && mkdir -p "$p/a" && cp "$d/$(cat "$d/last")/adapter/adapter_config.json" "$p/a/" || return 1
+  "$PY" -c "import sys, torch; from safetensors.torch import load_file, save_file
+t = load_file(sys.argv[1]); save_file({k: v.to(torch.bfloat16) for k, v in t.items()}, sys.argv[2])" \
+    "$d/$(cat "$d/last")/adapter/adapter_model.safetensors" "$p/a/adapter_model.safetensors" || return 1
+  tar -cf - -C "$p" a | split -b 15M -d -a 2 - "$p/$1_adapter.tar.part" && rm -rf "$p/a"
+  (cd "$p" && sha256sum ./*.part* > "$1_adapter.sha256")
+  log "adapter of $1 ($(cat "$d/last")) in $(ls "$p"/*.part* | wc -l) pieces: send $1 0, send $1 1, ..."
+}
+
+send() {  # send RUN_NAME K: pieces 4K..4K+3 of adapter_pieces (and the checksums) into $OUT; run alone in its call ($OUT holds 64 MiB)
+  local p="$W/send_$1"
+  ls "$p"/*.part* | sed -n "$(( $2 * 4 + 1 )),$(( $2 * 4 + 4 ))p" | xargs -r -I{} cp {} "$OUT/"
+  cp "$p/$1_adapter.sha256" "$OUT/"; ls "$OUT"
 }
 
 pieces() {  # pieces RUN_NAME K: the run's last checkpoint (adapter + trainer.ckpt) in 15 MiB pieces, 4 per call (K = 0, 1, ...)
@@ -222,7 +246,7 @@ case "${1:-}" in
       [ "$sha" = cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046 ] || { log "GGUF checksum mismatch: $sha"; exit 1; }
       [ "$PLAN" = figures ] && { timed random_q35 "${ALFRL[@]}" random-model --shape $Q35_SHAPE --out $Q35_MODEL; touch "$W/q35model.done"; } &
       timed convert_gguf "${ALFRL[@]}" convert-gguf .cache/qwen15b-coder --gguf-file qwen.gguf --out .cache/qwen15b-coder-hf || exit 1
-      gunzip -c "/tmp/gpu-data/${EXPERT_GZ:-expert_qwen15b.jsonl.gz}" > "$EXPERT"
+      gunzip -c "/tmp/gpu-data/${EXPERT_GZ:-expert_qwen15b_all.jsonl.gz}" > "$EXPERT"
     fi
     if [ "$DRY" = 1 ] && [ "$PLAN" = figures ]; then timed random_q35 "${ALFRL[@]}" random-model --shape $Q35_SHAPE --out $Q35_MODEL; touch "$W/q35model.done"; fi
     touch "$W/model.done"
@@ -242,6 +266,7 @@ case "${1:-}" in
     for f in "$W"/logs/*.log; do echo "== $f"; grep -v "it/s\]\|^INFO\|^(EngineCore\|^DEBUG\|Warning\|warn" "$f" | tail -n 5; done
     [ -f "$mark" ] && echo "all done" ;;
   pieces) pieces "$2" "$3" ;;
+  send) send "$2" "$3" ;;
   eval-adapter)  # eval-adapter NAME: the 274-game evaluation of an adapter brought back in pieces (.gpu-adapter/p1, p2 staged)
     cp "$0" "$W/campaign.sh"; ALFRL_REPO=$REPO setsid nohup bash "$W/campaign.sh" _eval_adapter "$2" > "$W/logs/eval_adapter_$2.log" 2>&1 < /dev/null &
     log "evaluation of the brought-back adapter $2 started" ;;
