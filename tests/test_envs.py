@@ -144,3 +144,60 @@ def test_closing_leaves_no_child_processes(valid_games):
             os.kill(pid, 0)
     children = subprocess.run(["ps", "-o", "pid=", "--ppid", str(os.getpid())], capture_output=True, text=True).stdout.split()
     assert not set(map(int, children)) & set(pids)
+
+
+_COUNT_START_STATES = """
+import sys
+game_path, action = sys.argv[1:3]  # now: fast_downward.pddl2sas (each start state) rewrites sys.argv
+import textworld
+from textworld.envs.pddl import logic
+from alfworld.agents.environment.alfred_tw_env import AlfredDemangler, AlfredInfos
+from alfrl.envs import _state_of, reuse_loaded_start_state
+
+built = []
+class Counting(logic.PddlState):
+    def __init__(self, *args, **kwargs):
+        built.append(1)
+        super().__init__(*args, **kwargs)
+logic.PddlState = Counting
+infos = textworld.EnvInfos(won=True, admissible_commands=True, extras=["gamefile"])
+
+def start_and_reset():
+    env = textworld.start(game_path, infos, wrappers=[AlfredDemangler(), AlfredInfos])
+    return env, _state_of(env.reset(), False)
+
+def counted(f):
+    n = len(built)
+    out = f()
+    return out, len(built) - n
+
+(plain, first), plain_builds = counted(start_and_reset)
+assert reuse_loaded_start_state()
+(env, reused), reused_builds = counted(start_and_reset)
+again, again_builds = counted(lambda: _state_of(env.reset(), False))
+same_step = _state_of(*plain.step(action)[::2]) == _state_of(*env.step(action)[::2])
+print(plain_builds, reused_builds, again_builds, first == reused == again, same_step)
+"""
+
+
+def test_a_loaded_game_resets_from_the_start_state_its_load_built(valid_games):
+    """TextWorld builds a PDDL game's start state in load() and again in reset(): the first reset after a
+    load now takes the load's (one build instead of two), later resets build a new one, and the game
+    plays the same."""
+    game = one_game_per_task(valid_games, "valid_seen")[0]
+    out = subprocess.run([os.sys.executable, "-c", _COUNT_START_STATES, game.path, game.walkthrough()[0]],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["2", "1", "1", "True", "True"]
+
+
+def test_the_pool_resets_the_same_with_and_without_reusing_the_start_state(valid_games):
+    games = one_game_per_task(valid_games, "valid_unseen")[:2]
+    states = {}
+    for reuse in (False, True):
+        with EnvPool(num_workers=1, step_timeout=20, reuse_start_state=reuse) as pool:
+            ids = [pool.create(g.path) for g in games]
+            states[reuse] = pool.run([EnvOp(i, "reset") for i in ids])
+            states[reuse] += pool.run([EnvOp(i, "step", g.walkthrough()[0]) for i, g in zip(ids, games)])
+    assert states[False] == states[True]
+    assert all(not isinstance(s, EnvFailure) for s in states[True])
