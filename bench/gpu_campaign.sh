@@ -161,6 +161,7 @@ learn_lane() {
   [ "${BASE_EVAL:-1}" = 1 ] && { ( eval_run base side; touch "$W/base.done" ) & }
   timed sft env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "${ALFRL[@]}" sft --config $SFT "${MODEL[@]}" --data.expert_file "$EXPERT" --trainer.default_root_dir "$RUN/sft" \
     --trainer.accelerator "$ACCEL" --progress_bar.refresh_rate 0 "${SFT_ARGS[@]}" || { wait; return 1; }
+  adapter_pieces sft &   # bf16 pieces of the warm start, ready to be sent back from now on
   ( eval_run sft side --adapter "$RUN/sft/checkpoints/last"; touch "$W/sft_eval.done" ) &
   local left=$(( DEADLINE - $(date +%s) - EVAL_S ))   # keep time for the last evaluation
   local steps=$(( left / STEP_S )); [ $steps -gt $MAX_STEPS ] && steps=$MAX_STEPS; [ $steps -lt 1 ] && steps=1
@@ -170,7 +171,7 @@ learn_lane() {
     --model.init_adapter "$RUN/sft/checkpoints/last" --model.optim.lr "$RL_LR" --data.reward.invalid_penalty "$RL_INVALID_PENALTY" \
     --trainer.default_root_dir "$RUN/rl" --trainer.max_steps $steps --trainer.max_time "$(printf '00:00:%02d:%02d' $((left / 60)) $((left % 60)))" \
     --checkpoint.save_every 1 --progress_bar.refresh_rate 0
-  adapter_pieces sft; adapter_pieces rl   # ready to be brought back (`send`) whatever happens to the last evaluation
+  adapter_pieces rl   # ready to be brought back (`send`) whatever happens to the last evaluation
   wait   # the base and SFT evaluations: the last one gets the GPU's memory
   eval_run rl alone --adapter "$RUN/rl/checkpoints/last"
   report
