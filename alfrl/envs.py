@@ -75,53 +75,15 @@ def _state_of(game_state, done: bool) -> tuple:
     return (game_state.feedback, admissible, won, bool(done) or won)
 
 
-def reuse_loaded_start_state() -> bool:
-    """Make a freshly loaded PDDL game's first reset reuse the start state its load built.
-
-    TextWorld's ``PddlEnv.load`` builds the game's start state (two PDDL -> SAS translations) only to
-    name its entities, and ``reset`` builds it again: about half of a reset's time (0.5 of 1.1 s on the
-    development CPU, ``bench/env_throughput.py --compare-reset``). Nothing runs between the two, so the
-    load's state is the start state: the first reset after a load takes it instead of building another.
-    Later resets of the same env build a new one, as before. Returns whether TextWorld has the expected
-    structure (else nothing is changed).
-    """
-    from textworld.envs.pddl import logic as pddl_logic
-    from textworld.envs.pddl import pddl as tw_pddl
-
-    env_cls = tw_pddl.PddlEnv
-    if getattr(env_cls, "_alfrl_reuses_start_state", False):
-        return True
-    if not hasattr(pddl_logic, "PddlState") or getattr(tw_pddl, "pddl_logic", None) is not pddl_logic:
-        return False
-    load, reset = env_cls.load, env_cls.reset
-
-    def load_keeping_start(self, data):
-        load(self, data)
-        self._alfrl_start_state = getattr(self, "_pddl_state", None)
-
-    def reset_from_start(self):
-        start = self.__dict__.pop("_alfrl_start_state", None)
-        if start is None:
-            return reset(self)
-        build = pddl_logic.PddlState
-        pddl_logic.PddlState = lambda *args, **kwargs: start  # this worker runs one command at a time
-        try:
-            return reset(self)
-        finally:
-            pddl_logic.PddlState = build
-
-    env_cls.load, env_cls.reset = load_keeping_start, reset_from_start
-    env_cls._alfrl_reuses_start_state = True
-    return True
-
-
-def _worker_main(fd: int, reuse_start_state: bool = True) -> None:
+def _worker_main(fd: int, fast_reset: bool = True) -> None:
     """Serve environment commands on the socket ``fd`` until the parent closes it."""
     import textworld
     from alfworld.agents.environment.alfred_tw_env import AlfredDemangler, AlfredInfos
 
-    if reuse_start_state:
-        reuse_loaded_start_state()
+    if fast_reset:
+        from alfrl.fast_reset import enable_fast_reset
+
+        enable_fast_reset()
 
     conn = mpc.Connection(fd)
     infos = textworld.EnvInfos(won=True, admissible_commands=True, extras=["gamefile"])
@@ -206,10 +168,10 @@ class EnvPool:
     """
 
     def __init__(self, num_workers: int | None = None, step_timeout: float = 60.0, reset_timeout: float = 180.0,
-                 reuse_start_state: bool = True):
+                 fast_reset: bool = True):
         self.num_workers = num_workers or os.cpu_count() or 1
-        self.reuse_start_state = reuse_start_state
-        """Workers reset a game from the start state its load built (``reuse_loaded_start_state``)."""
+        self.fast_reset = fast_reset
+        """Workers translate each game once per reset instead of four times (``alfrl.fast_reset``)."""
         self.step_timeout = step_timeout
         self.reset_timeout = reset_timeout
         self._workers: list[_Worker] = [self._start_worker() for _ in range(self.num_workers)]
@@ -233,7 +195,7 @@ class EnvPool:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
         process = subprocess.Popen(
             [sys.executable, "-c", "import sys; from alfrl.envs import _worker_main; _worker_main(int(sys.argv[1]), sys.argv[2] == '1')",
-             str(child.fileno()), "1" if self.reuse_start_state else "0"],
+             str(child.fileno()), "1" if self.fast_reset else "0"],
             pass_fds=[child.fileno()],
             stdin=subprocess.DEVNULL,
             env=env,
