@@ -2,7 +2,7 @@
 fixed set of games (the first two games of each task type in valid_seen, sorted: 12 games).
 
     python bench/env_throughput.py [--workers 1 2 N] --out bench/out/env_throughput.json
-    python bench/env_throughput.py --compare-reset [--rounds 2] --out bench/out/env_reset.json
+    python bench/env_throughput.py --compare-reset [--workers 2] [--rounds 3] --out bench/out/env_reset.json   # also in `make bench`
 
 ``--compare-reset`` times the resets of the same games with TextWorld as it is (four PDDL -> SAS
 translations per start + reset) and with alfrl's fast resets (one: ``alfrl.fast_reset``), in
@@ -79,7 +79,7 @@ def main() -> None:
     parser.add_argument("--workers", type=int, nargs="+", default=sorted({1, 2, os.cpu_count() or 1}))
     parser.add_argument("--out", default="bench/out/env_throughput.json")
     parser.add_argument("--compare-reset", action="store_true", help="time resets, TextWorld's own vs alfrl's fast resets")
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     games = fixed_games(args.data_dir)
     if args.compare_reset:
