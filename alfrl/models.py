@@ -77,9 +77,9 @@ def read_config(model_name: str):
         return None
 
 
-def is_vision_language(model_name: str, config=None) -> bool:
-    """Whether the checkpoint is a vision-language model (its config has a text config inside)."""
-    config = config if config is not None else read_config(model_name)
+def is_vision_language(config) -> bool:
+    """Whether a checkpoint's config (``read_config``; None when unreadable) is a vision-language model's:
+    a text config inside."""
     return getattr(config, "text_config", None) is not None
 
 

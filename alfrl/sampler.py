@@ -116,7 +116,7 @@ class EngineConfig:
         if self.max_num_batched_tokens is not None:
             extra["max_num_batched_tokens"] = self.max_num_batched_tokens
         config = read_config(model_path)
-        vl = is_vision_language(model_path, config)
+        vl = is_vision_language(config)
         if self.language_model_only if self.language_model_only is not None else vl:
             extra["language_model_only"] = True
         backend = self.gdn_prefill_backend

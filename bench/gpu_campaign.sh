@@ -203,10 +203,12 @@ t = load_file(sys.argv[1]); save_file({k: v.to(torch.bfloat16) for k, v in t.ite
   log "adapter of $1 ($(cat "$d/last")) in $(ls "$p"/*.part* | wc -l) pieces: send $1 0, send $1 1, ..."
 }
 
-send() {  # send RUN_NAME K: pieces 4K..4K+3 of adapter_pieces (and the checksums) into $OUT; run alone in its call ($OUT holds 64 MiB)
-  local p="$W/send_$1"
-  ls "$p"/*.part* | sed -n "$(( $2 * 4 + 1 )),$(( $2 * 4 + 4 ))p" | xargs -r -I{} cp {} "$OUT/"
-  cp "$p/$1_adapter.sha256" "$OUT/"; ls "$OUT"
+four_pieces() {  # four_pieces DIR K: pieces 4K..4K+3 of DIR into $OUT (8 files and 64 MiB come back per call)
+  ls "$1"/*.part* | sed -n "$(( $2 * 4 + 1 )),$(( $2 * 4 + 4 ))p" | xargs -r -I{} cp {} "$OUT/"
+}
+
+send() {  # send RUN_NAME K: pieces 4K..4K+3 of adapter_pieces (and the checksums) into $OUT; run alone in its call
+  four_pieces "$W/send_$1" "$2" && cp "$W/send_$1/$1_adapter.sha256" "$OUT/"; ls "$OUT"
 }
 
 pieces() {  # pieces RUN_NAME K: the run's last checkpoint (adapter + trainer.ckpt) in 15 MiB pieces, 4 per call (K = 0, 1, ...)
@@ -214,7 +216,7 @@ pieces() {  # pieces RUN_NAME K: the run's last checkpoint (adapter + trainer.ck
   last=$(cat "$d/last")
   [ -f "$W/$1.tar" ] || tar -cf "$W/$1.tar" -C "$d" last "$last"
   mkdir -p "$W/pieces_$1" && [ -f "$W/pieces_$1/done" ] || { split -b 15M -d -a 2 "$W/$1.tar" "$W/pieces_$1/$1.tar.part"; touch "$W/pieces_$1/done"; }
-  ls "$W/pieces_$1"/*.part* | sed -n "$(( $2 * 4 + 1 )),$(( $2 * 4 + 4 ))p" | xargs -r -I{} cp {} "$OUT/"
+  four_pieces "$W/pieces_$1" "$2"
   echo "$(ls "$W/pieces_$1"/*.part* | wc -l) pieces of $1 ($last); sent $(ls "$OUT" | tr '\n' ' ')"
 }
 

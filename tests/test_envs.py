@@ -144,4 +144,3 @@ def test_closing_leaves_no_child_processes(valid_games):
             os.kill(pid, 0)
     children = subprocess.run(["ps", "-o", "pid=", "--ppid", str(os.getpid())], capture_output=True, text=True).stdout.split()
     assert not set(map(int, children)) & set(pids)
-

@@ -4,7 +4,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from alfrl.models import has_linear_attention, is_vision_language, linear_module_names, load_causal_lm
+from alfrl.models import has_linear_attention, is_vision_language, linear_module_names, load_causal_lm, read_config
 from alfrl.policy import AlfrlPolicy
 from alfrl.ppo import LoRAConfig
 from alfrl.shapes import build_config, write_random_model
@@ -32,7 +32,7 @@ def test_the_4b_shape_is_the_reference_structure():
 
 
 def test_the_text_stack_of_a_vision_language_checkpoint_loads_every_weight(small):
-    assert is_vision_language(small)
+    assert is_vision_language(read_config(small))
     model = load_causal_lm(small, torch.float32, "sdpa")
     assert type(model).__name__ == "Qwen3_5ForCausalLM" and has_linear_attention(model.config)
     checkpoint = load_file(f"{small}/model.safetensors")
