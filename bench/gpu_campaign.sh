@@ -19,6 +19,10 @@
 # adapter's two files), evaluated beside the rest (stage before `start`):
 #   bash bench/gpu_campaign.sh stage .gpu-adapter/p1; bash bench/gpu_campaign.sh stage .gpu-adapter/p2
 #   bash bench/gpu_campaign.sh eval-adapter rl10      # -> runs/rl10.jsonl once the model is converted
+# An RL run continued from its checkpoint brought back with `pieces` (issue "Learning you can see": --ckpt_path across
+# leases). Here, before the lease: bash bench/gpu_campaign.sh resume-pieces DIR/step-000010 (-> .gpu-resume/r01..r08);
+# on the device, before `start`: stage .gpu-resume/r01 ... r08; then RESUME=1 RL_STEPS=<updates in all> ... start:
+# no warm start, no SFT evaluation; the run goes on from the checkpoint's step, then its adapter's evaluation alone.
 #
 # The learning job, after the GGUF became a Hugging Face folder:
 #   base:  the base model's 274-game evaluation (0.22 of the GPU, at most 70 games at once) beside
@@ -100,7 +104,7 @@ fi
 Q35=recipes/qwen4b_80step.yaml
 
 ALFRL=("$PY" -m alfrl.cli)
-RL_LR=${RL_LR:-1.0e-5}                 # the recipe's (2e-5 in the lease of 2026-12-01, which lost 12.8 points to its warm start)
+RL_LR=${RL_LR:-2.0e-5}                 # 1e-5 (the recipe's): no trend in 9 updates (fourth lease); 2e-5: +4.01 points in 10 (fifth, results/qwen15b_warmstart)
 # the invalid-action penalty of the RL run from the warm start: 0.1 (the reference's) made the 1.5B model walk
 # between receptacles instead of doing the task (results/qwen15b_warmstart/README.md), so 0.02: a win (+1) outweighs it
 RL_INVALID_PENALTY=${RL_INVALID_PENALTY:-0.02}
@@ -177,6 +181,21 @@ learn_lane() {
   report
 }
 
+resume_lane() {  # RESUME=1: the RL run goes on from the staged checkpoint (no warm start, no SFT evaluation)
+  local steps=${RL_STEPS:?RESUME=1 needs RL_STEPS: the number of updates in all, counted from the first update}
+  local done_s; done_s=$(cut -d' ' -f1 "$RUN/resume/elapsed_step")
+  local left=$(( DEADLINE - $(date +%s) - EVAL_S ))   # max_time counts the checkpoint's trained seconds too
+  local total=$(( left + done_s ))
+  log "RL resumed at step $(cut -d' ' -f2 "$RUN/resume/elapsed_step") ($done_s s trained): up to $steps updates in all ($left s here)"
+  timed rl env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "${ALFRL[@]}" fit --config $RL "${MODEL[@]}" "${TRAIN[@]}" --trainer.accelerator "$ACCEL" \
+    --model.optim.lr "$RL_LR" --data.reward.invalid_penalty "$RL_INVALID_PENALTY" \
+    --trainer.default_root_dir "$RUN/rl" --trainer.max_steps "$steps" --trainer.max_time "$(printf '00:%02d:%02d:%02d' $((total / 3600)) $((total % 3600 / 60)) $((total % 60)))" \
+    --checkpoint.save_every 1 --progress_bar.refresh_rate 0 --ckpt_path "$RUN/resume/trainer.ckpt"
+  adapter_pieces rl
+  eval_run rl alone --adapter "$RUN/rl/checkpoints/last"
+  report
+}
+
 report() {
   local runs=() names=()
   for n in base sft rl; do [ -f "$RUN/$n.jsonl" ] && { runs+=("$RUN/$n.jsonl"); names+=("$n"); }; done
@@ -224,6 +243,7 @@ case "${1:-}" in
   stage)
     if [[ "$2" == *gpu-model* ]]; then mkdir -p /tmp/model-stage && cp "$2"/qwen.gguf.part* /tmp/model-stage/ && log "staged $2"
     elif [[ "$2" == *gpu-adapter* ]]; then mkdir -p /tmp/adapter-stage && cp "$2"/*.part* /tmp/adapter-stage/ && log "staged $2"
+    elif [[ "$2" == *gpu-resume* ]]; then mkdir -p /tmp/resume-stage && cp "$2"/* /tmp/resume-stage/ && log "staged $2"
     else bash bench/gpu_session.sh stage "$2" && log "staged $2"; fi ;;
   install)  # in the background: the kit into /tmp/site; needs every kit chunk
     cp "$0" "$W/campaign.sh"; ALFRL_REPO=$REPO setsid nohup bash "$W/campaign.sh" _install > "$W/logs/install.log" 2>&1 < /dev/null &
@@ -251,9 +271,17 @@ case "${1:-}" in
       timed convert_gguf "${ALFRL[@]}" convert-gguf .cache/qwen15b-coder --gguf-file qwen.gguf --out .cache/qwen15b-coder-hf || exit 1
       gunzip -c "/tmp/gpu-data/${EXPERT_GZ:-expert_qwen15b_all.jsonl.gz}" > "$EXPERT"
     fi
+    if [ "${RESUME:-0}" = 1 ]; then
+      mkdir -p "$RUN/resume" && cat /tmp/resume-stage/trainer.ckpt.part* > "$RUN/resume/trainer.ckpt"
+      sha=$(sha256sum < "$RUN/resume/trainer.ckpt" | cut -d' ' -f1)
+      [ "$sha" = "$(cat /tmp/resume-stage/trainer.ckpt.sha256)" ] || { log "resume checkpoint checksum mismatch: stage every .gpu-resume folder"; exit 1; }
+      # Lightning's Timer keeps the run's training seconds in the checkpoint and counts --trainer.max_time from them
+      "$PY" -c "import sys, torch; c = torch.load(sys.argv[1], map_location='cpu', weights_only=False)
+print(int(c['callbacks'].get('Timer', {}).get('time_elapsed', {}).get('train', 0)), c['global_step'])" "$RUN/resume/trainer.ckpt" > "$RUN/resume/elapsed_step" || exit 1
+    fi
     if [ "$DRY" = 1 ] && [ "$PLAN" = figures ]; then timed random_q35 "${ALFRL[@]}" random-model --shape $Q35_SHAPE --out $Q35_MODEL; touch "$W/q35model.done"; fi
     touch "$W/model.done"
-    if [ "$PLAN" = figures ]; then figures_lane; else learn_lane; fi
+    if [ "$PLAN" = figures ]; then figures_lane; elif [ "${RESUME:-0}" = 1 ]; then resume_lane; else learn_lane; fi
     wait; touch "$W/all.done"; log "all done" ;;
   bench)  # after the learning job: the bench alone on the GPU
     cp "$0" "$W/campaign.sh"; ALFRL_REPO=$REPO setsid nohup bash "$W/campaign.sh" _bench > "$W/logs/bench_lane.log" 2>&1 < /dev/null &
@@ -269,6 +297,12 @@ case "${1:-}" in
     for f in "$W"/logs/*.log; do echo "== $f"; grep -v "it/s\]\|^INFO\|^(EngineCore\|^DEBUG\|Warning\|warn" "$f" | tail -n 5; done
     [ -f "$mark" ] && echo "all done" ;;
   pieces) pieces "$2" "$3" ;;
+  resume-pieces)  # here, before a lease: resume-pieces STEP_DIR (a checkpoint folder with trainer.ckpt) -> .gpu-resume/r01..r08
+    [ -f "${2:-}/trainer.ckpt" ] || { echo "resume-pieces: no trainer.ckpt in '${2:-}': give a run's checkpoints/step-NNNNNN folder"; exit 2; }
+    rm -rf .gpu-resume && mkdir -p .gpu-resume/all && split -n 8 -d -a 2 "$2/trainer.ckpt" .gpu-resume/all/trainer.ckpt.part || exit 1
+    for f in .gpu-resume/all/*.part*; do n=${f##*part}; n=$(( 10#$n + 1 )); d=.gpu-resume/r$(printf %02d "$n"); mkdir -p "$d" && mv "$f" "$d/"; done
+    rmdir .gpu-resume/all; sha256sum < "$2/trainer.ckpt" | cut -d' ' -f1 > .gpu-resume/r01/trainer.ckpt.sha256
+    echo "$(ls .gpu-resume | wc -l) folders in .gpu-resume: stage each before start" ;;
   send) send "$2" "$3" ;;
   eval-adapter)  # eval-adapter NAME: the 274-game evaluation of an adapter brought back in pieces (.gpu-adapter/p1, p2 staged)
     cp "$0" "$W/campaign.sh"; ALFRL_REPO=$REPO setsid nohup bash "$W/campaign.sh" _eval_adapter "$2" > "$W/logs/eval_adapter_$2.log" 2>&1 < /dev/null &
