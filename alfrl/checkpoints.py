@@ -29,6 +29,21 @@ def resolve_ckpt_path(path: str) -> str:
     return str(p)
 
 
+def adapter_source(path: str) -> Path:
+    """The file or folder ``load_adapter_into`` reads for ``path`` (a checkpoint folder, ``last``, its
+    ``adapter/`` folder or its ``trainer.ckpt``), found without loading anything; FileNotFoundError if none."""
+    p = Path(path)
+    if p.is_file() and p.name == "last":  # the checkpoint folder's pointer to the newest step
+        p = p.parent / p.read_text().strip()
+    if p.is_dir() and (p / "adapter").is_dir():
+        p = p / "adapter"
+    if p.is_file() and p.suffix == ".ckpt":
+        return p
+    if not ((p / "adapter_config.json").is_file() and (p / "adapter_model.safetensors").is_file()):
+        raise FileNotFoundError(f"no LoRA adapter at {path}: pass a checkpoint folder, its adapter/ folder or trainer.ckpt")
+    return p
+
+
 def load_adapter_into(model: torch.nn.Module, path: str, rank: int, alpha: int) -> str:
     """Load LoRA weights into the peft ``model`` from a checkpoint folder (or ``last``), its ``adapter/``
     folder or its ``trainer.ckpt``; the adapter's rank and alpha must be ``rank`` and ``alpha``.
@@ -36,12 +51,8 @@ def load_adapter_into(model: torch.nn.Module, path: str, rank: int, alpha: int) 
     from peft import set_peft_model_state_dict
     from safetensors.torch import load_file
 
-    p = Path(path)
-    if p.is_file() and p.name == "last":  # the checkpoint folder's pointer to the newest step
-        p = p.parent / p.read_text().strip()
-    if p.is_dir() and (p / "adapter").is_dir():
-        p = p / "adapter"
-    if p.is_file() and p.suffix == ".ckpt":
+    p = adapter_source(path)
+    if p.suffix == ".ckpt":
         state = torch.load(p, map_location="cpu", weights_only=False)["state_dict"]
         missing = {f"model.{k}" for k in model.state_dict() if "lora_" in k} - set(state)
         if missing:
@@ -49,8 +60,6 @@ def load_adapter_into(model: torch.nn.Module, path: str, rank: int, alpha: int) 
         model.load_state_dict({k[len("model.") :]: v for k, v in state.items()}, strict=False)
         return str(p)
     config_file, weights = p / "adapter_config.json", p / "adapter_model.safetensors"
-    if not (config_file.is_file() and weights.is_file()):
-        raise FileNotFoundError(f"no LoRA adapter at {path}: pass a checkpoint folder, its adapter/ folder or trainer.ckpt")
     config = json.loads(config_file.read_text())
     for key, mine, name in (("r", rank, "model.lora.rank"), ("lora_alpha", alpha, "model.lora.alpha")):
         if config.get(key) != mine:

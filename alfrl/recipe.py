@@ -236,6 +236,13 @@ def recipe_problems(cfg: Namespace, check_data: bool = True, check_model: bool =
             f"data.engine.max_model_len={engine.max_model_len} is below the trajectory budget {budget}: "
             "raise it or lower data.rollout.max_trajectory_tokens / data.eval.max_trajectory_tokens"
         )
+    if check_model and model.get("init_adapter"):
+        from alfrl.checkpoints import adapter_source
+
+        try:
+            adapter_source(model["init_adapter"])
+        except FileNotFoundError as e:
+            problems.append(f"model.init_adapter={model['init_adapter']!r}: {e} (`alfrl sft` writes one), or null to start from a fresh LoRA")
     if check_model and model.get("model_name"):
         found, context = _model_problems(model)
         problems += found

@@ -106,3 +106,18 @@ def test_print_config_shows_the_resolved_recipe():
     assert out.returncode == 0, out.stderr
     assert "save_dir: runs/tiny" in out.stdout and "${" not in out.stdout
     assert "group_size: 4" in out.stdout and "max_trajectory_tokens: 6000" in out.stdout
+
+
+def test_a_missing_warm_start_adapter_is_a_recipe_problem_before_any_model_loads(tmp_path, tiny_model_dir):
+    def problems(adapter):
+        cfg = parse_recipe(["--config", "recipes/tiny.yaml", "--model.model_name", tiny_model_dir, "--model.init_adapter", str(adapter)])
+        return [p for p in recipe_problems(cfg, check_data=False) if p.startswith("model.init_adapter")]
+
+    missing = problems(tmp_path / "runs" / "sft" / "checkpoints" / "last")
+    assert len(missing) == 1 and "no LoRA adapter at" in missing[0] and "alfrl sft" in missing[0], missing
+    step = tmp_path / "sft" / "checkpoints" / "step-000004" / "adapter"
+    step.mkdir(parents=True)
+    (step / "adapter_config.json").write_text("{}")
+    (step / "adapter_model.safetensors").write_bytes(b"")
+    (step.parent.parent / "last").write_text("step-000004")
+    assert problems(step.parent.parent / "last") == [] and problems(step.parent) == [] and problems(step) == []
