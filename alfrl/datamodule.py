@@ -207,6 +207,9 @@ class RolloutDataModule(L.LightningDataModule):
         result = make_samples(rollout.groups, self.advantage, self.reward, self.rollout.history_length)
         metrics = batch_metrics(rollout.groups, rollout.counters, rollout.stats.seconds, result.degenerate_groups, result.dropped_groups)
         metrics["rollout/engine_busy_share"] = rollout.stats.engine_seconds / max(rollout.stats.seconds, 1e-9)
+        metrics["rollout/engine_steps"] = float(rollout.stats.engine_steps)
+        metrics["rollout/engine_step_ms"] = 1000 * rollout.stats.engine_seconds / max(rollout.stats.engine_steps, 1)
+        metrics["rollout/submit_seconds"] = rollout.stats.submit_seconds
         if rollout.sleep_freed_gib is not None:
             metrics["engine/sleep_freed_gib"] = rollout.sleep_freed_gib
         batch = RolloutBatch(step=self.step, games=games, groups=rollout.groups, samples=result.samples,

@@ -157,7 +157,10 @@ def main(argv: list[str]) -> int:
     print(f"\nresults: {out}\nsummary: {summary_file}" + (f"\nevaluation time: {seconds:.1f} s" if seconds is not None else ""))
     if spent and seconds:
         cached = spent.get("cached_prompt_tokens", 0) / max(spent.get("prompt_tokens", 0), 1)
-        print(f"  in engine steps {spent['engine_seconds']:.1f} s ({spent['engine_seconds'] / seconds:.0%}), waiting for environments "
+        steps = spent.get("engine_steps", 0)
+        print(f"  in engine steps {spent['engine_seconds']:.1f} s ({spent['engine_seconds'] / seconds:.0%}; {steps} steps, "
+              f"{1000 * spent['engine_seconds'] / max(steps, 1):.1f} ms each), handing requests to the engine "
+              f"{spent.get('submit_seconds', 0.0):.1f} s, waiting for environments "
               f"{spent['env_wait_seconds']:.1f} s; {spent['requests']} requests, {spent.get('generated_tokens', 0)} generated tokens, "
               f"{spent.get('prompt_tokens', 0)} prompt tokens ({cached:.1%} from the prefix cache)")
     return 0

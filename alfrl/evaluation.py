@@ -202,7 +202,7 @@ def _read_existing(path: Path) -> tuple[dict | None, list[dict]]:
     return header, games
 
 
-SPENT_KEYS = ("engine_seconds", "env_wait_seconds", "requests")
+SPENT_KEYS = ("engine_seconds", "env_wait_seconds", "submit_seconds", "requests", "engine_steps")
 """The ``RolloutStats`` fields an evaluation adds up over its chunks (where its time went)."""
 
 

@@ -131,7 +131,11 @@ class RolloutStats:
     """Inside engine steps (the GPU's share of the rollout, for vLLM)."""
     env_wait_seconds: float = 0.0
     """Blocked waiting for environments with nothing to generate."""
+    submit_seconds: float = 0.0
+    """Handing requests to the engine (for vLLM: its input processing and prefix-cache hashing)."""
     requests: int = 0
+    engine_steps: int = 0
+    """Engine iterations: engine_seconds / engine_steps is the time of one."""
 
 
 class RolloutRunner:
@@ -332,6 +336,7 @@ class _Play:
                 started = time.perf_counter()
                 finished = r.engine.step()
                 r.stats.engine_seconds += time.perf_counter() - started
+                r.stats.engine_steps += 1
                 for request_id, completions in finished:
                     self.on_completions(self.request_owner.pop(request_id), completions)
             if self.rounds and self.held and not r.engine.busy:
@@ -404,7 +409,10 @@ class _Play:
             return  # the barrier: a round starts when every environment and every generation is done
         batch, self.ready = self.ready, []
         requests = [self.r.request(t, self.groups[t.group].game.id, self.seed, n) for t, n in batch]
-        for (t, n), request_id in zip(batch, self.r.engine.submit(requests)):
+        started = time.perf_counter()
+        request_ids = self.r.engine.submit(requests)
+        self.r.stats.submit_seconds += time.perf_counter() - started
+        for (t, n), request_id in zip(batch, request_ids):
             owners = self.lives[t.group] if n > 1 else [t]
             self.request_owner[request_id] = owners
             for o in owners:

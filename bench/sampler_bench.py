@@ -89,6 +89,7 @@ def rollout_figures(result, seconds: float) -> dict:
     trajs = [t for g in result.groups for t in g.trajectories]
     return {"seconds": seconds, "engine_seconds": result.stats.engine_seconds, "engine_busy_share": result.stats.engine_seconds / seconds,
             "env_wait_seconds": result.stats.env_wait_seconds, "requests": result.stats.requests,
+            "engine_steps": result.stats.engine_steps, "submit_seconds": result.stats.submit_seconds,
             "generated_tokens": result.counters.generated_tokens, "generated_tokens_per_second": result.counters.generated_tokens / seconds,
             "prompt_tokens": result.counters.prompt_tokens, "cached_prompt_tokens": result.counters.cached_prompt_tokens,
             "trajectories": len(trajs), "turns": sum(t.steps for t in trajs), "wins": sum(t.won for t in trajs),

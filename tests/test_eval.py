@@ -90,6 +90,7 @@ def test_an_interrupted_eval_keeps_every_finished_game_and_resumes_to_the_same_s
     spent = {}
     run_eval(runner, games, cfg, tmp_path / "timed.jsonl", config, spent=spent)
     assert spent["requests"] >= 4 and spent["engine_seconds"] > 0 and spent["env_wait_seconds"] >= 0  # where the time went
+    assert spent["engine_steps"] >= 1 and spent["submit_seconds"] > 0
     header, records, _ = read_results(tmp_path / "whole.jsonl")
     assert [r["game_id"] for r in records] == [g.id for g in games]  # rewritten in the games' order at the end
     # an evaluation cut after its first finished game (as the end of a machine loan would cut it)
@@ -126,7 +127,7 @@ def test_make_eval_runs_the_tiny_model_and_report_compares_runs(tmp_path, data_d
         proc = subprocess.run(["make", "eval", "RECIPE=recipes/tiny.yaml", "LIMIT=2", f"OUT={out}", f"ARGS={args}", f"DATA_DIR={data_dir}",
                                f"TINY_MODEL={tiny_model_dir}"], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-        assert "success per task type" in proc.stdout and "in engine steps" in proc.stdout  # where the time went
+        assert "success per task type" in proc.stdout and "in engine steps" in proc.stdout and " ms each)" in proc.stdout  # where the time went
         header, games, summary = read_results(out)
         assert header["config"]["model_name"] == tiny_model_dir and len(games) == 4
         assert json.loads(out.with_suffix(".summary.json").read_text()) == summary

@@ -4,6 +4,7 @@ import dataclasses
 import os
 import signal
 import threading
+import time
 
 import pytest
 
@@ -103,6 +104,27 @@ def test_scripted_async_matches_rounds_turn_for_turn(game, fmt):
         with EnvPool(num_workers=2) as pool:
             out[schedule] = RolloutRunner(engine, pool, fmt, cfg, RewardConfig()).run([game], 4, seed=0)
     assert out["async"] == out["rounds"]
+
+
+def test_the_stats_count_engine_steps_and_time_spent_handing_requests_over(game, fmt):
+    class Counting(ScriptedEngine):
+        steps = submits = 0
+
+        def submit(self, requests):
+            Counting.submits += 1
+            time.sleep(0.02)  # as vLLM's input processing and prefix-cache hashing take time
+            return super().submit(requests)
+
+        def step(self):
+            Counting.steps += 1
+            return super().step()
+
+    cfg = RolloutConfig(max_episode_steps=3, max_trajectory_tokens=20000, max_assistant_tokens=200)
+    with EnvPool(num_workers=2) as pool:
+        runner = RolloutRunner(Counting(fmt, LOOKS), pool, fmt, cfg, RewardConfig())
+        runner.run([game], 4, seed=0)
+    assert Counting.steps >= 3 and runner.stats.engine_steps == Counting.steps
+    assert runner.stats.submit_seconds >= 0.02 * Counting.submits > 0
 
 
 def test_max_live_games_starts_the_next_game_when_one_ends(valid_games, fmt):
