@@ -135,7 +135,8 @@ class RolloutStats:
     """Handing requests to the engine (for vLLM: its input processing and prefix-cache hashing)."""
     requests: int = 0
     engine_steps: int = 0
-    """Engine iterations: engine_seconds / engine_steps is the time of one."""
+    """Calls of ``engine.step()``: engine_seconds / engine_steps is the time of one. With vLLM's asynchronous
+    scheduling a model forward takes about two calls (one launches the batch, the next collects it)."""
 
 
 class RolloutRunner:
