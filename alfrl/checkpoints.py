@@ -16,11 +16,14 @@ import torch
 CKPT_FILE = "trainer.ckpt"
 
 
+def _follow_last(p: Path) -> Path:
+    """A checkpoint folder's ``last`` file (the pointer to the newest step) -> that step's folder."""
+    return p.parent / p.read_text().strip() if p.name == "last" and p.is_file() else p
+
+
 def resolve_ckpt_path(path: str) -> str:
     """A step folder, ``.../last`` or a ``trainer.ckpt`` file -> the ``trainer.ckpt`` file to load."""
-    p = Path(path)
-    if p.name == "last" and p.is_file():
-        p = p.parent / p.read_text().strip()
+    p = _follow_last(Path(path))
     if p.is_dir():
         p = p / CKPT_FILE
     if not p.is_file():
@@ -32,9 +35,7 @@ def resolve_ckpt_path(path: str) -> str:
 def adapter_source(path: str) -> Path:
     """The file or folder ``load_adapter_into`` reads for ``path`` (a checkpoint folder, ``last``, its
     ``adapter/`` folder or its ``trainer.ckpt``), found without loading anything; FileNotFoundError if none."""
-    p = Path(path)
-    if p.is_file() and p.name == "last":  # the checkpoint folder's pointer to the newest step
-        p = p.parent / p.read_text().strip()
+    p = _follow_last(Path(path))
     if p.is_dir() and (p / "adapter").is_dir():
         p = p / "adapter"
     if p.is_file() and p.suffix == ".ckpt":

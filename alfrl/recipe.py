@@ -176,17 +176,24 @@ def _looks_local(name: str) -> bool:
 
 
 def _model_problems(model: dict) -> tuple[list[str], int | None]:
-    """(problems, context length): the model folder exists and its config has the LoRA target modules
-    (read without loading weights)."""
+    """(problems, context length): the model folder exists, its config has the LoRA target modules (read
+    without loading weights) and the adapter to start from (``init_adapter``) is there."""
+    out = []
+    if model.get("init_adapter"):
+        from alfrl.checkpoints import adapter_source
+
+        try:
+            adapter_source(model["init_adapter"])
+        except FileNotFoundError as e:
+            out.append(f"model.init_adapter={model['init_adapter']!r}: {e} (`alfrl sft` writes one), or null to start from a fresh LoRA")
     name = model["model_name"]
     if _looks_local(name) and not Path(name).expanduser().is_dir():
         hint = "run `make tiny-model` to write the tiny model there" if "tiny" in name else "give an existing folder or a hub name such as Qwen/Qwen3.5-4B"
-        return [f"model.model_name={name!r}: no model folder there: {hint}"], None
+        return out + [f"model.model_name={name!r}: no model folder there: {hint}"], None
     try:
         context = _model_context(name, model.get("gguf_file"))
     except Exception as e:  # noqa: BLE001 - any loading problem is reported as a recipe problem
-        return [f"model.model_name={name!r} could not be read ({type(e).__name__}: {str(e).splitlines()[0][:200]}): give a hub name or a local model folder"], None
-    out = []
+        return out + [f"model.model_name={name!r} could not be read ({type(e).__name__}: {str(e).splitlines()[0][:200]}): give a hub name or a local model folder"], None
     targets = _setting(model, "lora", "target_modules", "all-linear")
     if targets != "all-linear" and not model.get("gguf_file"):
         try:
@@ -236,13 +243,6 @@ def recipe_problems(cfg: Namespace, check_data: bool = True, check_model: bool =
             f"data.engine.max_model_len={engine.max_model_len} is below the trajectory budget {budget}: "
             "raise it or lower data.rollout.max_trajectory_tokens / data.eval.max_trajectory_tokens"
         )
-    if check_model and model.get("init_adapter"):
-        from alfrl.checkpoints import adapter_source
-
-        try:
-            adapter_source(model["init_adapter"])
-        except FileNotFoundError as e:
-            problems.append(f"model.init_adapter={model['init_adapter']!r}: {e} (`alfrl sft` writes one), or null to start from a fresh LoRA")
     if check_model and model.get("model_name"):
         found, context = _model_problems(model)
         problems += found

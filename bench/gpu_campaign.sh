@@ -160,6 +160,14 @@ figures_lane() {  # every figure alone on the GPU, one after another; a phase th
     --data.eval.max_assistant_tokens 100 --adapter "$RUN/q35/checkpoints/last" --out "$RUN/q35_eval.jsonl"
 }
 
+rl_fit() {  # rl_fit STEPS MAX_SECONDS [ARGS...]: the RL run into $RUN/rl, a checkpoint after every update
+  local steps=$1 max_s=$2; shift 2
+  timed rl env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "${ALFRL[@]}" fit --config $RL "${MODEL[@]}" "${TRAIN[@]}" --trainer.accelerator "$ACCEL" \
+    --model.optim.lr "$RL_LR" --data.reward.invalid_penalty "$RL_INVALID_PENALTY" --trainer.default_root_dir "$RUN/rl" --trainer.max_steps "$steps" \
+    --trainer.max_time "$(printf '00:%02d:%02d:%02d' $((max_s / 3600)) $((max_s % 3600 / 60)) $((max_s % 60)))" \
+    --checkpoint.save_every 1 --progress_bar.refresh_rate 0 "$@"
+}
+
 learn_lane() {
   # BASE_EVAL=0: the base model's evaluation is known (0/274 on 2026-12-01, results/qwen15b_warmstart) and its GPU time is spared
   [ "${BASE_EVAL:-1}" = 1 ] && { ( eval_run base side; touch "$W/base.done" ) & }
@@ -171,10 +179,7 @@ learn_lane() {
   local steps=$(( left / STEP_S )); [ $steps -gt $MAX_STEPS ] && steps=$MAX_STEPS; [ $steps -lt 1 ] && steps=1
   [ -n "${RL_STEPS:-}" ] && steps=$RL_STEPS   # a fixed count (the deadline's max_time still stops it)
   log "RL: $steps updates (max_time $left s)"
-  timed rl env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "${ALFRL[@]}" fit --config $RL "${MODEL[@]}" "${TRAIN[@]}" --trainer.accelerator "$ACCEL" \
-    --model.init_adapter "$RUN/sft/checkpoints/last" --model.optim.lr "$RL_LR" --data.reward.invalid_penalty "$RL_INVALID_PENALTY" \
-    --trainer.default_root_dir "$RUN/rl" --trainer.max_steps $steps --trainer.max_time "$(printf '00:00:%02d:%02d' $((left / 60)) $((left % 60)))" \
-    --checkpoint.save_every 1 --progress_bar.refresh_rate 0
+  rl_fit "$steps" "$left" --model.init_adapter "$RUN/sft/checkpoints/last"
   adapter_pieces rl   # ready to be brought back (`send`) whatever happens to the last evaluation
   wait   # the base and SFT evaluations: the last one gets the GPU's memory
   eval_run rl alone --adapter "$RUN/rl/checkpoints/last"
@@ -187,10 +192,7 @@ resume_lane() {  # RESUME=1: the RL run goes on from the staged checkpoint (no w
   local left=$(( DEADLINE - $(date +%s) - EVAL_S ))   # max_time counts the checkpoint's trained seconds too
   local total=$(( left + done_s ))
   log "RL resumed at step $(cut -d' ' -f2 "$RUN/resume/elapsed_step") ($done_s s trained): up to $steps updates in all ($left s here)"
-  timed rl env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "${ALFRL[@]}" fit --config $RL "${MODEL[@]}" "${TRAIN[@]}" --trainer.accelerator "$ACCEL" \
-    --model.optim.lr "$RL_LR" --data.reward.invalid_penalty "$RL_INVALID_PENALTY" \
-    --trainer.default_root_dir "$RUN/rl" --trainer.max_steps "$steps" --trainer.max_time "$(printf '00:%02d:%02d:%02d' $((total / 3600)) $((total % 3600 / 60)) $((total % 60)))" \
-    --checkpoint.save_every 1 --progress_bar.refresh_rate 0 --ckpt_path "$RUN/resume/trainer.ckpt"
+  rl_fit "$steps" "$total" --ckpt_path "$RUN/resume/trainer.ckpt"
   adapter_pieces rl
   eval_run rl alone --adapter "$RUN/rl/checkpoints/last"
   report

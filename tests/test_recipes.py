@@ -121,3 +121,9 @@ def test_a_missing_warm_start_adapter_is_a_recipe_problem_before_any_model_loads
     (step / "adapter_model.safetensors").write_bytes(b"")
     (step.parent.parent / "last").write_text("step-000004")
     assert problems(step.parent.parent / "last") == [] and problems(step.parent) == [] and problems(step) == []
+    # a warm start may itself start from an adapter: the same check
+    from alfrl.recipe import SFTCLI, sft_problems
+
+    cfg = parse_recipe(["--config", "recipes/sft_tiny.yaml", "--model.model_name", tiny_model_dir,
+                        "--model.init_adapter", str(tmp_path / "nothing")], SFTCLI)
+    assert [p for p in sft_problems(cfg) if p.startswith("model.init_adapter")], sft_problems(cfg)
