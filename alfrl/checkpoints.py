@@ -26,6 +26,10 @@ def resolve_ckpt_path(path: str) -> str:
     p = _follow_last(Path(path))
     if p.is_dir():
         p = p / CKPT_FILE
+    if not p.is_file() and (p.parent / "adapter").is_dir():
+        raise FileNotFoundError(f"{path} keeps only its adapter (checkpoint.keep_resume_states prunes the training state of "
+                                "older checkpoints): resume from a newer one (.../checkpoints/last), or start a new run from "
+                                f"this adapter with --model.init_adapter {p.parent}")
     if not p.is_file():
         raise FileNotFoundError(f"no checkpoint at {path}: pass a step folder such as runs/x/checkpoints/step-000020, "
                                 "runs/x/checkpoints/last, or its trainer.ckpt")

@@ -209,6 +209,11 @@ def _model_problems(model: dict) -> tuple[list[str], int | None]:
     return out, context
 
 
+def _checkpoint_problems(cfg: Namespace) -> list[str]:
+    keep = cfg.checkpoint.keep_resume_states
+    return [f"checkpoint.keep_resume_states={keep} must be >= 0 (0 keeps every checkpoint's trainer.ckpt)"] if keep < 0 else []
+
+
 def recipe_problems(cfg: Namespace, check_data: bool = True, check_model: bool = True) -> list[str]:
     """Every problem of a resolved recipe (trainer, model, data and callbacks), one string each."""
     model = cfg.model.as_dict()
@@ -220,6 +225,7 @@ def recipe_problems(cfg: Namespace, check_data: bool = True, check_model: bool =
                        ("weight_sync.canary_at_step", cfg.weight_sync.canary_at_step)):
         if value < 0:
             problems.append(f"{key}={value} must be >= 0 (0 turns it off)")
+    problems += _checkpoint_problems(cfg)
     limit = cfg.periodic_eval.limit_per_split
     if limit is not None and limit < 1:
         problems.append(f"periodic_eval.limit_per_split={limit} must be >= 1 (or null for every game)")
@@ -382,6 +388,7 @@ def sft_problems(cfg: Namespace, check_model: bool = True) -> list[str]:
         problems.append(f"trainer.max_steps={max_steps}: the number of optimizer steps must be >= 1")
     if cfg.checkpoint.save_every < 0:
         problems.append(f"checkpoint.save_every={cfg.checkpoint.save_every} must be >= 0 (0 turns it off)")
+    problems += _checkpoint_problems(cfg)
     problems += ExpertDataModule.problems(cfg.data.as_dict())
     if check_model and model.get("model_name"):
         problems += _model_problems(model)[0]

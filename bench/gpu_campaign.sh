@@ -236,8 +236,9 @@ pieces() {  # pieces RUN_NAME K: the run's last checkpoint (adapter + trainer.ck
   local d="$RUN/$1/checkpoints" last
   last=$(cat "$d/last")
   [ -f "$W/$1.tar" ] || tar -cf "$W/$1.tar" -C "$d" last "$last"
-  mkdir -p "$W/pieces_$1" && [ -f "$W/pieces_$1/done" ] || { split -b 15M -d -a 2 "$W/$1.tar" "$W/pieces_$1/$1.tar.part"; touch "$W/pieces_$1/done"; }
-  four_pieces "$W/pieces_$1" "$2"
+  mkdir -p "$W/pieces_$1" && [ -f "$W/pieces_$1/done" ] || { split -b 15M -d -a 2 "$W/$1.tar" "$W/pieces_$1/$1.tar.part"
+    sha256sum < "$W/$1.tar" | cut -d' ' -f1 > "$W/pieces_$1/$1.tar.sha256"; touch "$W/pieces_$1/done"; }
+  four_pieces "$W/pieces_$1" "$2" && cp "$W/pieces_$1/$1.tar.sha256" "$OUT/"   # here: cat $1.tar.part* | sha256sum
   echo "$(ls "$W/pieces_$1"/*.part* | wc -l) pieces of $1 ($last); sent $(ls "$OUT" | tr '\n' ' ')"
 }
 

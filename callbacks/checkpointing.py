@@ -10,10 +10,16 @@ Each checkpoint is a folder ``<dirpath>/step-000020/`` holding:
 It is written under a temporary name and renamed into place, so a crash never leaves a half
 checkpoint; ``<dirpath>/last`` names the newest one. Resume with ``--ckpt_path <dir>/last`` (or a
 step folder, or its ``trainer.ckpt``).
+
+Only the newest ``keep_resume_states`` checkpoints keep ``trainer.ckpt`` (the optimizer state makes it
+two thirds of a checkpoint: 0.4 of 0.6 GB for the 1.5B recipe); older ones keep their adapter, which
+``alfrl eval --adapter`` and ``model.init_adapter`` read. A full disk stops the run with one line that
+says what to change, and leaves no partial folder behind.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import random
 import shutil
@@ -25,21 +31,31 @@ import torch
 
 from alfrl.checkpoints import CKPT_FILE, save_merged_model
 
+class CheckpointSpaceError(OSError):
+    """The checkpoint folder's disk is full (the message says what to change)."""
+
+
 class Checkpointing(L.Callback):
     """Save every ``save_every`` steps and at the end of training."""
 
-    def __init__(self, dirpath: str | None = None, save_every: int = 20, save_merged: bool = False):
+    def __init__(self, dirpath: str | None = None, save_every: int = 20, save_merged: bool = False, keep_resume_states: int = 2):
         """
         Args:
             dirpath: folder for checkpoints (default ``<trainer.default_root_dir>/checkpoints``).
             save_every: save after every N steps (0: only at the end).
             save_merged: also write base + LoRA as a Hugging Face folder.
+            keep_resume_states: how many of the newest checkpoints keep ``trainer.ckpt`` (what
+                ``--ckpt_path`` resumes from: optimizer, loops, data cursor, RNG); older ones keep only
+                their adapter (0: every checkpoint keeps everything).
         """
         if save_every < 0:
             raise ValueError(f"checkpoint.save_every={save_every} must be >= 0 (0 saves only at the end)")
+        if keep_resume_states < 0:
+            raise ValueError(f"checkpoint.keep_resume_states={keep_resume_states} must be >= 0 (0 keeps every one)")
         self.dirpath = dirpath
         self.save_every = save_every
         self.save_merged = save_merged
+        self.keep_resume_states = keep_resume_states
         self.last_saved_step = -1
 
     def folder(self, trainer: L.Trainer) -> Path:
@@ -62,18 +78,45 @@ class Checkpointing(L.Callback):
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         trainer.strategy.barrier("alfrl_checkpoint_start")
-        trainer.save_checkpoint(tmp / CKPT_FILE)  # every rank takes part; rank 0 writes
+        try:
+            trainer.save_checkpoint(tmp / CKPT_FILE)  # every rank takes part; rank 0 writes
+            if trainer.is_global_zero:
+                policy.model.save_pretrained(tmp / "adapter")
+                if self.save_merged:
+                    save_merged_model(policy, tmp / "merged")
+        except OSError as e:
+            if e.errno != errno.ENOSPC:
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise CheckpointSpaceError(errno.ENOSPC, f"checkpoint of step {step}: no space left on the disk of {root} "
+                                       f"(the newest, {self._last_name(root)}, is intact): free space there, or keep fewer "
+                                       f"resume states (checkpoint.keep_resume_states, now {self.keep_resume_states}), or save "
+                                       f"less often (checkpoint.save_every, now {self.save_every})") from None
         if trainer.is_global_zero:
-            policy.model.save_pretrained(tmp / "adapter")
-            if self.save_merged:
-                save_merged_model(policy, tmp / "merged")
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
             (root / "last.tmp").write_text(final.name)
             os.replace(root / "last.tmp", root / "last")
+            self.prune(root, keep=final)
         trainer.strategy.barrier("alfrl_checkpoint_end")
         self.last_saved_step = step
         return final
+
+    def prune(self, root: Path, keep: Path) -> list[Path]:
+        """Delete ``trainer.ckpt`` from every step folder but the newest ``keep_resume_states`` (and ``keep``,
+        the one just written); returns the files deleted."""
+        if not self.keep_resume_states:
+            return []
+        steps = sorted(p for p in root.glob("step-*") if p.is_dir() and (p / CKPT_FILE).is_file())
+        old = [p / CKPT_FILE for p in steps[:-self.keep_resume_states] if p != keep]
+        for f in old:
+            f.unlink()
+        return old
+
+    @staticmethod
+    def _last_name(root: Path) -> str:
+        last = root / "last"
+        return last.read_text().strip() if last.is_file() else "none yet"
 
     # RNG states travel inside trainer.ckpt, so a resumed run samples what the uninterrupted one would
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module, checkpoint: dict) -> None:

@@ -80,6 +80,8 @@ BAD_FIT = [
     (["--config", "recipes/tiny.yaml", "--model.model_name", ".cache/no-tiny-model"], "no model folder there: run `make tiny-model`"),
     (["--config", "recipes/tiny.yaml", "--model.lrr", "1"], "recipe error: unrecognized arguments: --model.lrr"),
     (["--config", "recipes/tiny.yaml", "--ckpt_path", "CKPT"], "the checkpoint's adapter has r=4 but model.lora.rank=8"),
+    (["--config", "recipes/tiny.yaml", "--ckpt_path", "PRUNED"], "keeps only its adapter (checkpoint.keep_resume_states prunes"),
+    (["--config", "recipes/tiny.yaml", "--checkpoint.keep_resume_states", "-1"], "checkpoint.keep_resume_states=-1 must be >= 0"),
 ]
 
 
@@ -93,6 +95,8 @@ def test_bad_fit_input_is_one_clear_line_and_status_2(args, expected, tmp_path, 
     (ckpt / "adapter").mkdir(parents=True)
     (ckpt / "trainer.ckpt").write_bytes(b"")
     (ckpt / "adapter" / "adapter_config.json").write_text(json.dumps({"r": 4, "lora_alpha": 16}))
+    pruned = tmp_path / "run" / "checkpoints" / "step-000001"  # an older checkpoint: its trainer.ckpt was pruned
+    (pruned / "adapter").mkdir(parents=True)
     import yaml
 
     recipe = yaml.safe_load(open("recipes/tiny.yaml"))
@@ -100,7 +104,7 @@ def test_bad_fit_input_is_one_clear_line_and_status_2(args, expected, tmp_path, 
                                    {"class_path": "no_such_logging_pkg.Logger"}]  # e.g. SwanLab where swanlab is not installed
     nologger = tmp_path / "nologger.yaml"
     nologger.write_text(yaml.safe_dump(recipe))
-    args = [str(empty) if a == "EMPTY" else str(ckpt) if a == "CKPT" else str(nologger) if a == "NOLOGGER" else a for a in args]
+    args = [str(empty) if a == "EMPTY" else str(ckpt) if a == "CKPT" else str(pruned) if a == "PRUNED" else str(nologger) if a == "NOLOGGER" else a for a in args]
     if "--model.model_name" not in args:
         args += ["--model.model_name", tiny_model_dir]
     assert main(["fit", *args]) == 2

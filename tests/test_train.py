@@ -31,13 +31,16 @@ def test_make_train_runs_the_tiny_recipe(tmp_path, data_dir, tiny_model_dir):
     root = tmp_path / "run"
     # the engine gets weights only through the sync (as vLLM does), and after the first update a sync that skips its push is tried
     args = (f"--trainer.default_root_dir {root} --model.model_name {tiny_model_dir} "
-            "--data.engine.separate_weights true --weight_sync.canary_at_step 1")
+            "--data.engine.separate_weights true --weight_sync.canary_at_step 1 --checkpoint.keep_resume_states 1")
     out = subprocess.run(["make", "train", "RECIPE=recipes/tiny.yaml", f"ARGS={args}", f"DATA_DIR={data_dir}", f"TINY_MODEL={tiny_model_dir}"],
                          cwd=REPO, env=_env(data_dir), capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert (root / "checkpoints" / "step-000002" / "adapter" / "adapter_config.json").is_file()
     assert (root / "checkpoints" / "step-000002" / "trainer.ckpt").is_file()
     assert (root / "checkpoints" / "last").read_text() == "step-000002"
+    # keep_resume_states 1: the older checkpoint keeps its adapter, not its training state
+    assert (root / "checkpoints" / "step-000001" / "adapter" / "adapter_model.safetensors").is_file()
+    assert not (root / "checkpoints" / "step-000001" / "trainer.ckpt").exists()
     rows = [r for r in _metrics(root) if r.get("train/loss")]
     assert len(rows) == 2
     for key in ("train/loss", "train/clip_fraction", "train/approx_kl", "train/ratio_mean", "train/grad_norm", "train/trained_tokens",
