@@ -16,6 +16,10 @@ import torch
 CKPT_FILE = "trainer.ckpt"
 
 
+class CheckpointSpaceError(OSError):
+    """The checkpoint folder's disk is full (the message says what to change)."""
+
+
 def _follow_last(p: Path) -> Path:
     """A checkpoint folder's ``last`` file (the pointer to the newest step) -> that step's folder."""
     return p.parent / p.read_text().strip() if p.name == "last" and p.is_file() else p

@@ -29,10 +29,7 @@ import lightning as L
 import numpy as np
 import torch
 
-from alfrl.checkpoints import CKPT_FILE, save_merged_model
-
-class CheckpointSpaceError(OSError):
-    """The checkpoint folder's disk is full (the message says what to change)."""
+from alfrl.checkpoints import CKPT_FILE, CheckpointSpaceError, save_merged_model
 
 
 class Checkpointing(L.Callback):

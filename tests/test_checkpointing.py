@@ -6,8 +6,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from callbacks.checkpointing import CheckpointSpaceError, Checkpointing
-from alfrl.checkpoints import resolve_ckpt_path
+from alfrl.checkpoints import CheckpointSpaceError, resolve_ckpt_path
+from callbacks.checkpointing import Checkpointing
 
 
 def _steps(root: Path, n: int) -> list[Path]:
