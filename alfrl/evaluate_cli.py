@@ -76,7 +76,7 @@ def main(argv: list[str]) -> int:
     own = argparse.ArgumentParser(prog="alfrl eval", add_help=False)
     own.add_argument("--adapter", default=None, help="checkpoint folder, its adapter/ folder or trainer.ckpt (default: the base model)")
     own.add_argument("--split", type=_splits, default=None, help="valid_seen, valid_unseen or all (default: the recipe's data.eval.splits)")
-    own.add_argument("--limit-per-split", type=_positive, default=None, help="evaluate the first N games (sorted) of each split")
+    own.add_argument("--limit-per-split", type=_positive, default=None, help="evaluate N games of each split, spread over its task types (the same N every time)")
     own.add_argument("--out", required=True)
     own.add_argument("--overwrite", action="store_true")
     args, rest = own.parse_known_args(argv)

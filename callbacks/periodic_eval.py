@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import lightning as L
 
+from alfrl.evaluation import task_type_wins
+
 
 class PeriodicEval(L.Callback):
-    """Runs the evaluation protocol of ``data.eval`` on the first ``limit_per_split`` games of each split."""
+    """Runs the evaluation protocol of ``data.eval`` on ``limit_per_split`` games of each split (the same
+    games every time, spread over the task types) and logs success overall, per split and per task type."""
 
     def __init__(self, every_n_steps: int = 0, limit_per_split: int | None = 10):
         """
         Args:
             every_n_steps: evaluate after every N training steps (0 turns it off).
-            limit_per_split: games per split (sorted order); null for all of them.
+            limit_per_split: games per split, spread over its task types; null for all of them.
         """
         if every_n_steps < 0:
             raise ValueError(f"periodic_eval.every_n_steps={every_n_steps} must be >= 0 (0 turns it off)")
@@ -28,4 +31,6 @@ class PeriodicEval(L.Callback):
         metrics = {f"eval/{k}": float(v) for k, v in summary["overall"].items()}
         for split, block in summary["splits"].items():
             metrics[f"eval/{split}/success_rate"] = float(block["success_rate"])
+        for task, (wins, games) in task_type_wins(summary).items():  # all splits pooled: a collapsing task type shows early
+            metrics[f"eval/task/{task}/success_rate"] = wins / games
         pl_module.log_dict(metrics, on_step=True, batch_size=1, rank_zero_only=False)

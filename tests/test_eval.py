@@ -3,6 +3,7 @@
 import json
 import os
 import subprocess
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -110,12 +111,24 @@ def test_an_interrupted_eval_keeps_every_finished_game_and_resumes_to_the_same_s
     assert run_eval(runner, games[:2], cfg, tmp_path / "parts.jsonl", {"model": "other"}, overwrite=True)["overall"]["games"] == 2
 
 
-def test_eval_games_take_the_first_games_of_each_split_in_sorted_order(data_dir):
-    games = eval_games(data_dir, ("valid_seen", "valid_unseen"), 3)
-    assert [g.split for g in games] == ["valid_seen"] * 3 + ["valid_unseen"] * 3
-    ids = [g.id for g in games]
-    assert ids[:3] == sorted(ids[:3]) and ids[3:] == sorted(ids[3:])
+def test_a_limited_evaluation_covers_every_task_type_of_each_split_with_the_same_games_every_time(data_dir):
+    games = eval_games(data_dir, ("valid_seen", "valid_unseen"), 6)
+    assert [g.split for g in games] == ["valid_seen"] * 6 + ["valid_unseen"] * 6
+    for split in ("valid_seen", "valid_unseen"):
+        mine = [g for g in games if g.split == split]
+        assert len({g.task_type for g in mine}) == 6  # one of each of the six task types
+        assert [g.id for g in mine] == sorted(g.id for g in mine)
+        everything = [g for g in eval_games(data_dir, (split,), None) if g.task_type in {m.task_type for m in mine}]
+        first_of_type = {}
+        for g in everything:
+            first_of_type.setdefault(g.task_type, g.id)
+        assert {g.id for g in mine} == set(first_of_type.values())  # each type's first game in sorted order
+    assert [g.id for g in eval_games(data_dir, ("valid_seen",), 20)] == [g.id for g in eval_games(data_dir, ("valid_seen",), 20)]
+    twenty = eval_games(data_dir, ("valid_seen",), 20)
+    counts = Counter(g.task_type for g in twenty)
+    assert max(counts.values()) - min(counts.values()) <= 1, counts  # the first 20 sorted would be 13 of one type
     assert len(eval_games(data_dir, ("valid_seen", "valid_unseen"), None)) == 274
+    assert len(eval_games(data_dir, ("valid_seen",), 1000)) == 140
 
 
 def test_make_eval_runs_the_tiny_model_and_report_compares_runs(tmp_path, data_dir, tiny_model_dir):
@@ -157,7 +170,8 @@ def test_report_of_hand_made_runs(tmp_path):
 
 def test_report_training_curves_merge_a_resumed_run(tmp_path):
     """Rows of both CSV versions, the resumed run's row winning for a step logged twice; the PNG is drawn."""
-    from alfrl.report import main as report_main, training_rows
+    from alfrl.report import main as report_main
+    from alfrl.report import training_rows
 
     header = "epoch,rollout/invalid_actions_mean,rollout/reward_mean,rollout/success_rate,rollout/trajectories,step,train/loss\n"
     v0 = tmp_path / "run" / "csv" / "version_0"

@@ -1,0 +1,37 @@
+"""The periodic evaluation callback logs success overall, per split and per task type (splits pooled)."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from alfrl.evaluation import summarize
+from callbacks.periodic_eval import PeriodicEval
+
+
+def _record(split, task, won):
+    return {"type": "game", "split": split, "task_type": task, "won": won, "reward": float(won), "steps": 3,
+            "invalid_actions": 0, "turns": [{"valid_format": True, "admissible": True}]}
+
+
+class _Module:
+    def __init__(self):
+        self.logged = {}
+
+    def log_dict(self, metrics, **kwargs):
+        self.logged.update(metrics)
+
+
+def test_success_per_task_type_pools_the_splits_and_runs_only_every_n_steps():
+    records = [_record("valid_seen", "pick_two_obj_and_place", True), _record("valid_seen", "pick_two_obj_and_place", False),
+               _record("valid_unseen", "pick_two_obj_and_place", False), _record("valid_unseen", "look_at_obj_in_light", True)]
+    asked = []
+    datamodule = SimpleNamespace(evaluate_in_memory=lambda limit: asked.append(limit) or summarize(records))
+    cb, module = PeriodicEval(every_n_steps=2, limit_per_split=6), _Module()
+    cb.on_train_batch_end(SimpleNamespace(global_step=1, datamodule=datamodule), module, None, None, 0)
+    assert asked == [] and module.logged == {}
+    cb.on_train_batch_end(SimpleNamespace(global_step=2, datamodule=datamodule), module, None, None, 0)
+    assert asked == [6]
+    assert module.logged["eval/task/pick_two_obj_and_place/success_rate"] == pytest.approx(1 / 3)
+    assert module.logged["eval/task/look_at_obj_in_light/success_rate"] == 1.0
+    assert module.logged["eval/valid_seen/success_rate"] == 0.5
+    assert module.logged["eval/success_rate"] == 0.5
