@@ -16,7 +16,7 @@ import dataclasses
 import hashlib
 import json
 import os
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,17 +92,14 @@ def eval_games(data_dir: str | None, splits: tuple[str, ...] | list[str], limit_
 
 def spread_over_task_types(games: list[Game], n: int) -> list[Game]:
     """``n`` of ``games`` taken round-robin over their task types (each type's games in the given
-    order), returned in the given order."""
-    by_type: dict[str, list[Game]] = defaultdict(list)
-    for g in games:
-        by_type[g.task_type].append(g)
-    queues = [by_type[t] for t in sorted(by_type)]
-    chosen: set[str] = set()
-    for i in range(max((len(q) for q in queues), default=0)):
-        for q in queues:
-            if len(chosen) < n and i < len(q):
-                chosen.add(q[i].id)
-    return [g for g in games if g.id in chosen]
+    order, the types in name order), returned in the given order."""
+    seen: Counter[str] = Counter()
+    order = []  # (the game's place within its type, its type, its place in games)
+    for pos, g in enumerate(games):
+        order.append((seen[g.task_type], g.task_type, pos))
+        seen[g.task_type] += 1
+    keep = {pos for *_, pos in sorted(order)[:n]}
+    return [g for pos, g in enumerate(games) if pos in keep]
 
 
 def game_record(t: Trajectory) -> dict:
