@@ -102,6 +102,10 @@ def load_causal_lm(model_name: str, dtype, attn_implementation: str | None = Non
 
     kwargs = {"dtype": dtype}
     if attn_implementation:
+        if attn_implementation == "sdpa_varlen":
+            from alfrl.attention import register
+
+            register()
         kwargs["attn_implementation"] = attn_implementation
     if gguf_file:
         return AutoModelForCausalLM.from_pretrained(model_name, gguf_file=gguf_file, **kwargs)

@@ -57,7 +57,8 @@ class AlfrlPolicy(L.LightningModule):
                 checkpoint such as Qwen3.5's loads its text stack).
             gguf_file: a GGUF file inside ``model_name`` to load (dequantized) instead of safetensors.
             dtype: ``auto`` = bfloat16 on GPU, float32 on CPU.
-            attn_implementation: passed to transformers (``sdpa``, ``flash_attention_2``, ``eager``).
+            attn_implementation: passed to transformers (``sdpa``, ``flash_attention_2``, ``eager``), or
+                ``sdpa_varlen`` (alfrl.attention): SDPA on each sequence of a packed row instead of a T x T mask.
             gradient_checkpointing: recompute activations in backward (long trajectories on big models).
             init_adapter: start from this LoRA adapter (a checkpoint folder, its adapter/ or trainer.ckpt,
                 e.g. an ``alfrl sft`` run's); null starts from B = 0.

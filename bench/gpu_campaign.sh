@@ -13,8 +13,9 @@
 #   bash bench/gpu_campaign.sh send rl 0; ... send rl 1; send sft 0; send sft 1   # the adapters (bf16, 5 pieces each), once RL ended
 #   bash bench/gpu_campaign.sh bench && bash bench/gpu_campaign.sh wait 540 bench   # if time is left: the GPU alone
 # Between calls the machine waits 30 s, then goes back with everything on it: decide before the first call.
-# PLAN=figures (given to `start`) runs the figures lane instead of the learning run: every benchmark alone, then
-# the reference recipe on a random Qwen3.5-4B-structure checkpoint (one update) and its evaluation on 4 games.
+# PLAN=figures (given to `start`) runs the figures lane instead of the learning run: every benchmark alone (the
+# Sampler's, the update's variants, two `alfrl fit` steps, a staged adapter's 274-game evaluation with a profiled
+# window), then the reference recipe on a random Qwen3.5-4B-structure checkpoint (one update) and its evaluation.
 # An adapter brought back from an earlier lease (.gpu-adapter/p1, p2: pieces of a tar of a/ with the
 # adapter's two files), evaluated beside the rest (stage before `start`):
 #   bash bench/gpu_campaign.sh stage .gpu-adapter/p1; bash bench/gpu_campaign.sh stage .gpu-adapter/p2
@@ -63,6 +64,8 @@ if [ "$DRY" = 1 ]; then
   TRAIN=(--data.env.num_workers 2 --data.games_per_batch 2)
   EVAL_SIDE=(--data.env.num_workers 2 --limit-per-split 2 --data.eval.max_live_games 1)
   EVAL_ALONE=(--data.env.num_workers 2 --limit-per-split 2)
+  PROFILE_DEFAULT=3:4
+  EVAL_BENCH=(--dry -- --data.env.num_workers=2 --data.eval.limit_per_split=2 --trainer.logger=false "--model.model_name=${ALFRL_TINY_MODEL:-$REPO/.cache/tiny-model}")
   SFT_ARGS=(--trainer.max_steps 4); MAX_STEPS=2; STEP_S=40; EVAL_S=60
   Q35_MODEL=.cache/random-qwen3.5-small; Q35_SHAPE=qwen3.5-small
   Q35_ARGS=(--data.engine.kind hf --data.engine.separate_weights true --trainer.accelerator cpu --data.games_per_batch 1 --data.group_size 2
@@ -89,6 +92,8 @@ else
   EVAL_SIDE=(--data.env.num_workers 6 --data.engine.gpu_memory_utilization 0.22 --data.engine.kv_cache_gib 24 --data.eval.max_live_games 70)
   # alone: 0.75 of the GPU holds ~3.5 M tokens of KV cache (28 KiB each), 274 x 12,000 = 3.3 M at most
   EVAL_ALONE=(--data.env.num_workers 16 --data.engine.gpu_memory_utilization 0.75)
+  PROFILE_DEFAULT=1000:40   # the eval's 3,292 steps (2026-12-01): steps 1,000-1,079 are mid-run, ~150 games live
+  EVAL_BENCH=(-- --data.env.num_workers=16 --data.engine.gpu_memory_utilization=0.75 --trainer.logger=false)
   # SFT_STEPS: the warm start's updates of 64K tokens instead of the recipe's 30 (7.3 s each on the H200, 2026-12-01;
   # a pass over every training game's walkthroughs is ~105 steps); with every game's walkthroughs, 0.05 held out
   # would be ~180 trajectories scored at every check: 0.02 (the recipe's), checked twice
@@ -98,7 +103,7 @@ else
   # stop on their own: completions run to a fixed 100 tokens, so trajectories reach the 12,000-token budget)
   Q35_MODEL=.cache/random-qwen3.5-4b; Q35_SHAPE=qwen3.5-4b
   Q35_ARGS=(--trainer.accelerator gpu); Q35_EVAL=(--trainer.accelerator gpu)
-  T_BENCH=480; T_MERGED=240; T_EVAL=420; T_Q35=720; T_Q35_EVAL=360; T_FIT=300
+  T_BENCH=480; T_MERGED=240; T_EVAL=420; T_Q35=600; T_Q35_EVAL=300; T_FIT=300
   FIT_ARGS=(--trainer.accelerator gpu --data.env.num_workers 16 --data.engine.gpu_memory_utilization 0.4)
 fi
 Q35=recipes/qwen4b_80step.yaml
@@ -137,16 +142,19 @@ bench_lane() {  # alone on the GPU: the two sync modes side by side first, then 
 }
 
 figures_lane() {  # every figure alone on the GPU, one after another; a phase that fails or overruns does not stop the next
-  local fig_bench=(--phases ceiling runners update sync "${BENCH_OVERRIDES[@]}")
-  [ "$DRY" = 1 ] && fig_bench=(--games 2 --dry --phases runners update sync "${BENCH_OVERRIDES[@]}")
+  local fig_bench=(--phases ceiling runners update "${BENCH_OVERRIDES[@]}")
+  [ "$DRY" = 1 ] && fig_bench=(--games 2 --dry --phases runners update "${BENCH_OVERRIDES[@]}")
   timed bench_lora timeout $T_BENCH "$PY" bench/sampler_bench.py --recipe $RL --out "$W/results/sampler_bench_lora.json" "${fig_bench[@]}"
-  timed bench_merged timeout $T_MERGED "$PY" bench/sampler_bench.py --recipe $RL --out "$W/results/sampler_bench_merged.json" "${MERGED[@]}"
+  [ "${MERGED_BENCH:-0}" = 1 ] && timed bench_merged timeout $T_MERGED "$PY" bench/sampler_bench.py --recipe $RL --out "$W/results/sampler_bench_merged.json" "${MERGED[@]}"
   # the 1.5B recipe's step measured as `alfrl fit` runs it (rollout, update, sync), alone: 2 updates, timings in its CSV
   [ "${FIT_STEPS:-2}" -gt 0 ] && timed fit_15b timeout $T_FIT "${ALFRL[@]}" fit --config $RL "${MODEL[@]}" "${FIT_ARGS[@]}" \
     --trainer.max_steps "${FIT_STEPS:-2}" --trainer.default_root_dir "$RUN/fit_15b" --checkpoint.save_every 0 --progress_bar.refresh_rate 0
+  # a brought-back adapter's 274-game evaluation alone (the Sampler's evaluate, as `alfrl eval`), a window of its
+  # engine steps profiled (torch.profiler, then cProfile): where an engine step's time goes
   if ls /tmp/adapter-stage/*.part* > /dev/null 2>&1; then
-    mkdir -p "$RUN/rl10-adapter" && cat /tmp/adapter-stage/*.part* | tar -xf - -C "$RUN/rl10-adapter" \
-      && EVAL_TIMEOUT=$T_EVAL eval_run rl10 alone --adapter "$RUN/rl10-adapter/a"
+    mkdir -p "$RUN/adapter" && cat /tmp/adapter-stage/*.part* | tar -xf - -C "$RUN/adapter" \
+      && timed eval_adapter timeout $T_EVAL "$PY" bench/sampler_bench.py --recipe $RL --out "$W/results/eval_adapter.json" \
+        --eval-out "$RUN/adapter_eval.jsonl" --phases eval --adapter "$RUN/adapter/a" --profile-steps "${PROFILE_STEPS:-$PROFILE_DEFAULT}" "${EVAL_BENCH[@]}"
   fi
   while [ ! -f "$W/q35model.done" ]; do sleep 2; done
   # the recipe as it is, its loggers CSV only: SwanLab is not in the offline kit, and a recipe naming a logger class that

@@ -8,9 +8,11 @@ Phases (figures into one JSON; each phase's errors are recorded, the others stil
   20 turns of exactly 40 sampled + 250 appended tokens, each turn submitted when the last came back.
 - runners: the same 8 training games x 8 trajectories (recipe's episode limits, same seeds) through the
   old round-based schedule and the asynchronous one: seconds, generated tokens/s, engine busy share.
-- eval: the recipe's evaluation protocol on every evaluation game (the base model) -> --eval-out.
-- update: PPO updates on the asynchronous rollout's trajectories: seconds and MFU (6N, and 8N with
-  the gradient-checkpoint recompute), old log-probs recomputed vs taken from the sampler.
+- eval: the recipe's evaluation protocol on every evaluation game (the base model, or --adapter) -> --eval-out;
+  --profile-steps START:COUNT profiles that window of engine steps (torch.profiler, then cProfile) -> OUT.profile.txt.
+- update: PPO updates on the asynchronous rollout's trajectories, one per UPDATE_VARIANTS entry (attention
+  sdpa vs sdpa_varlen, packed-row size, gradient checkpointing): seconds, peak memory and MFU (6N, and 8N
+  with the gradient-checkpoint recompute); the same packed row's log-probs under both attentions.
 - sync: in the recipe's sync mode (run twice, ``--data.engine.weight_sync=lora`` then ``=merged``, for
   the side by side): decode speed of one batch with a non-zero adapter, the probe gap and response
   after 1 and 10 updates at lr 1e-6, and skipped syncs after an update at lr 1e-6 and at 1e-4.
@@ -106,27 +108,145 @@ def model_flops(policy) -> tuple[float, float]:
     return float(body), float(head)
 
 
-def update_phase(policy, samples, temperature: float, steps: int = 2) -> dict:
+UPDATE_VARIANTS = (  # (name, attention, micro-batch tokens, gradient checkpointing), all on the same samples
+    ("sdpa_rows4096_checkpointed", "sdpa", 4096, True),  # the 1.5B recipes until 2026-12-01 (a packed row gets a T x T mask)
+    ("varlen_rows16384_checkpointed", "sdpa_varlen", 16384, True),
+    ("varlen_rows16384", "sdpa_varlen", 16384, False),
+    ("varlen_rows32768", "sdpa_varlen", 32768, False),
+)
+
+
+def _set_attention(policy, name: str) -> None:
+    from alfrl.attention import register
+    from alfrl.logprobs import causal_lm_of
+
+    register()
+    lm = causal_lm_of(policy.model)
+    if hasattr(lm, "set_attn_implementation"):
+        lm.set_attn_implementation(name)
+    else:
+        lm.config._attn_implementation = name
+
+
+def _set_checkpointing(policy, on: bool) -> None:
+    from alfrl.logprobs import causal_lm_of
+
+    lm = causal_lm_of(policy.model)
+    if on:
+        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        lm.enable_input_require_grads()
+    else:
+        lm.gradient_checkpointing_disable()
+
+
+def update_phase(policy, samples, temperature: float, variants=UPDATE_VARIANTS) -> dict:
+    """One warm-up update, then one PPO update per variant (attention, row size, checkpointing) on the same samples,
+    the sampler's log-probs as old ones (the recipes'); and the first row's log-probs under sdpa and sdpa_varlen."""
     body, head = model_flops(policy)
     out = {"samples": len(samples), "sequence_tokens": sum(len(s) for s in samples), "trained_tokens": sum(s.trained_tokens for s in samples),
            "body_parameters": body, "output_layer_parameters": head, "runs": []}
-    for mode, runs in (("sampler", steps), ("recompute", 1)):  # the first run of a process warms up; recompute adds old log-probs
-        policy.hparams.ppo = dataclasses.replace(policy.ppo, old_logprobs=mode)
-        optimizer = torch.optim.AdamW(policy.trainable_parameters(), lr=1e-6, betas=(0.9, 0.95))
-        for _ in range(runs):
-            torch.cuda.synchronize() if torch.cuda.is_available() else None
+    tokens, trained = out["sequence_tokens"], out["trained_tokens"]
+    ppo0, attn0 = policy.ppo, policy.hparams.attn_implementation
+    ckpt0 = bool(policy.hparams.gradient_checkpointing)
+    policy.hparams.ppo = dataclasses.replace(ppo0, old_logprobs="sampler")
+    try:  # the same packed row scored both ways: the new attention must give the old one's log-probs
+        _set_checkpointing(policy, False)
+        policy.hparams.ppo = dataclasses.replace(policy.ppo, microbatch_tokens=16384)
+        row = max(policy.microbatches(samples, list(range(len(samples)))), key=lambda mb: len(mb.members))
+        with torch.no_grad():
+            scored = {}
+            for attn in ("sdpa", "sdpa_varlen"):
+                _set_attention(policy, attn)
+                scored[attn] = policy.logprobs_of(row, temperature).float()
+        out["varlen_check"] = {"row_sequences": len(row.members), "row_tokens": int(row.input_ids.shape[1]),
+                               "max_abs_logprob_diff": float((scored["sdpa"] - scored["sdpa_varlen"]).abs().max()),
+                               "mean_abs_logprob_diff": float((scored["sdpa"] - scored["sdpa_varlen"]).abs().mean())}
+        del scored, row
+    except Exception:  # noqa: BLE001 - recorded; the timings still run
+        out["varlen_check"] = {"error": traceback.format_exc(limit=4)}
+    optimizer = torch.optim.AdamW(policy.trainable_parameters(), lr=1e-6, betas=(0.9, 0.95))
+    for name, attn, rows, ckpt in (("warm-up", *variants[0][1:]), *variants):
+        run = {"variant": name, "attention": attn, "microbatch_tokens": rows, "gradient_checkpointing": ckpt}
+        try:
+            _set_attention(policy, attn)
+            _set_checkpointing(policy, ckpt)
+            policy.hparams.ppo = dataclasses.replace(policy.ppo, microbatch_tokens=rows)
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+                torch.cuda.synchronize()
             stats, seconds = timed(lambda: policy.update(samples, optimizer=optimizer, temperature=temperature))
-            tokens, trained = out["sequence_tokens"], out["trained_tokens"]
             train_flops = 6 * body * tokens + 6 * head * trained
-            recompute = 2 * body * tokens  # gradient checkpointing runs the forward twice
-            old = (2 * body * tokens + 2 * head * trained) if mode == "recompute" else 0.0
-            out["runs"].append({"old_logprobs": mode, "seconds": seconds, "old_logprob_seconds": stats["old_logprob_seconds"],
-                                "update_seconds": stats["update_seconds"], "peak_memory_gib": stats["peak_memory_gib"],
-                                "mfu_6n": (train_flops + old) / seconds / (DENSE_BF16_TFLOPS * 1e12),
-                                "mfu_8n_with_recompute": (train_flops + recompute + old) / seconds / (DENSE_BF16_TFLOPS * 1e12),
-                                "tokens_per_second": tokens / seconds})
-    policy.hparams.ppo = dataclasses.replace(policy.ppo, old_logprobs="sampler")
+            recompute = 2 * body * tokens if ckpt else 0.0  # gradient checkpointing runs the forward twice
+            run.update({"seconds": seconds, "update_seconds": stats["update_seconds"], "peak_memory_gib": stats["peak_memory_gib"],
+                        "rows": len(policy.microbatches(samples, list(range(len(samples))))),
+                        "mfu_6n": train_flops / seconds / (DENSE_BF16_TFLOPS * 1e12),
+                        "mfu_6n_plus_recompute": (train_flops + recompute) / seconds / (DENSE_BF16_TFLOPS * 1e12),
+                        "tokens_per_second": tokens / seconds})
+        except Exception:  # noqa: BLE001 - an out-of-memory variant is a figure too
+            run["error"] = traceback.format_exc(limit=4)
+        out["runs"].append(run)
+    _set_attention(policy, attn0 or "sdpa")
+    _set_checkpointing(policy, ckpt0)
+    policy.hparams.ppo = ppo0
     return out
+
+
+def profile_window(engine, start: int, count: int, path: str) -> dict:
+    """Wrap ``engine.step``: steps start..start+count-1 under torch.profiler (CPU + CUDA), the next ``count`` under
+    cProfile; tables into ``path``. Returns the window's figures (filled when the window has run)."""
+    import cProfile
+    import io
+    import pstats
+
+    from torch.profiler import ProfilerActivity, profile
+
+    real, seen, figures, state = engine.step, [0], {}, {}
+    cuda = torch.cuda.is_available()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
+
+    def step():
+        seen[0] += 1
+        n = seen[0]
+        if n == start:
+            sync()
+            state["t"] = time.perf_counter()
+            state["prof"] = profile(activities=activities)
+            state["prof"].__enter__()
+        elif n == start + count:
+            state["cp"] = cProfile.Profile()
+            state["t2"] = time.perf_counter()
+            state["cp"].enable()
+        out = real()
+        if n == start + count - 1:
+            sync()
+            wall = time.perf_counter() - state["t"]
+            prof = state.pop("prof")
+            prof.__exit__(None, None, None)
+            events = prof.key_averages()
+            device_us = sum(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0)) for e in events)
+            figures.update({"torch_profiler_steps": count, "torch_profiler_wall_seconds": wall,
+                            "device_kernel_seconds": device_us / 1e6, "device_busy_share": device_us / 1e6 / wall})
+            with open(path, "w") as f:
+                f.write(f"engine steps {start}..{start + count - 1}: wall {wall:.3f} s, device kernels {device_us / 1e6:.3f} s\n\n")
+                for key in ("self_device_time_total", "self_cpu_time_total", "cpu_time_total"):
+                    try:
+                        f.write(f"== sorted by {key}\n" + events.table(sort_by=key, row_limit=35) + "\n")
+                    except Exception as e:  # noqa: BLE001 - a key this torch does not know
+                        f.write(f"== {key}: {e}\n")
+        elif n == start + 2 * count - 1:
+            state["cp"].disable()
+            figures["cprofile_steps"], figures["cprofile_wall_seconds"] = count, time.perf_counter() - state["t2"]
+            text = io.StringIO()
+            stats = pstats.Stats(state["cp"], stream=text)
+            stats.sort_stats("tottime").print_stats(40)
+            stats.sort_stats("cumulative").print_stats(60)
+            with open(path, "a") as f:
+                f.write(f"\n== cProfile, engine steps {start + count}..{start + 2 * count - 1}\n" + text.getvalue())
+        return out
+
+    engine.step = step
+    return figures
 
 
 def push(sampler, policy) -> None:
@@ -209,6 +329,8 @@ def main() -> None:
     parser.add_argument("--eval-out", default=None)
     parser.add_argument("--phases", nargs="+", default=["ceiling", "runners", "eval", "update", "sync"])
     parser.add_argument("--games", type=int, default=8)
+    parser.add_argument("--adapter", default=None, help="eval phase: this adapter (a checkpoint folder or its adapter/) into the engine")
+    parser.add_argument("--profile-steps", default=None, help="eval phase: START:COUNT engine steps profiled (torch.profiler, then cProfile)")
     parser.add_argument("--dry", action="store_true", help="CPU check with the recipe's HF engine (no vLLM phases)")
     parser.add_argument("overrides", nargs="*", help="recipe overrides, e.g. --data.engine.gpu_memory_utilization=0.5")
     args = parser.parse_args()
@@ -255,10 +377,17 @@ def main() -> None:
                 if args.dry:
                     cfg = dataclasses.replace(cfg, limit_per_split=2)
                 eval_list = eval_games(dm.data_dir, cfg.splits, cfg.limit_per_split)
+                if args.adapter:
+                    policy.load_adapter(args.adapter)
+                    sampler.sync(policy)
+                profiled = {}
+                if args.profile_steps:
+                    first, count = (int(x) for x in args.profile_steps.split(":"))
+                    profiled = profile_window(sampler.engine, first, count, args.out + ".profile.txt")
                 summary = sampler.evaluate(eval_list, args.eval_out or args.out + ".eval.jsonl", {"model_name": policy.hparams.model_name,
-                                           "adapter": None, "bench": "sampler_bench"}, cfg, overwrite=True)
+                                           "adapter": args.adapter, "bench": "sampler_bench"}, cfg, overwrite=True)
                 report["phases"]["eval"] = {"games": len(eval_list), "seconds": summary.pop("seconds"), "overall": summary["overall"],
-                                            "splits": summary["splits"], "time": summary.get("time")}
+                                            "splits": summary["splits"], "time": summary.get("time"), "profile": profiled}
             elif phase in ("update", "sync"):
                 if async_result is None:
                     async_result = sampler.rollout(games, dm.group_size, seed=7)
