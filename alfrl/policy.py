@@ -60,6 +60,8 @@ class AlfrlPolicy(L.LightningModule):
             attn_implementation: passed to transformers (``sdpa``, ``flash_attention_2``, ``eager``), or
                 ``sdpa_varlen`` (alfrl.attention): SDPA on each sequence of a packed row instead of a T x T mask.
             gradient_checkpointing: recompute activations in backward (long trajectories on big models).
+                Takes effect from 2026-12-01's fix on: before it, the base model stayed in eval mode and no
+                update recomputed anything, whatever this said.
             init_adapter: start from this LoRA adapter (a checkpoint folder, its adapter/ or trainer.ckpt,
                 e.g. an ``alfrl sft`` run's); null starts from B = 0.
             lora: the adapter (rank, alpha, dropout, target modules).
@@ -260,6 +262,7 @@ class AlfrlPolicy(L.LightningModule):
         lightning_optimizer = self.optimizers() if optimizer is None else None
         raw_optimizer = lightning_optimizer.optimizer if lightning_optimizer is not None else optimizer
         world = self.trainer.world_size if attached else 1
+        self.model.train()  # from_pretrained leaves the base model in eval mode, and Lightning keeps submodules' modes
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         started = time.perf_counter()

@@ -60,6 +60,12 @@ class EngineConfig:
     """vLLM: sequences decoded together (default vLLM's)."""
     max_num_batched_tokens: int | None = None
     """vLLM: tokens per engine step (default vLLM's)."""
+    cudagraph_max_tokens: int | None = None
+    """vLLM: the largest engine step (in tokens) replayed as a CUDA graph (``compilation_config.
+    max_cudagraph_capture_size``; null: vLLM's, min(2 x max_num_seqs, 512)). A larger step runs op by op, and
+    with LoRA served each of its ~112 LoRA kernels costs ~0.2-0.4 ms of Python: in the 274-game evaluation on
+    the H200 (2026-12-01, ~150 games live, ~580 tokens a step) most steps were over 512 and the GPU was busy
+    21% of the time (bench/README.md). Larger values capture more graphs at engine start."""
     language_model_only: bool | None = None
     """vLLM: start a vision-language checkpoint without its vision encoder (prompts are token ids);
     null: on exactly for vision-language checkpoints (Qwen3.5)."""
@@ -95,7 +101,7 @@ class EngineConfig:
             out.append(f"{prefix}.gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1)")
         if self.kv_cache_gib is not None and self.kv_cache_gib <= 0:
             out.append(f"{prefix}.kv_cache_gib={self.kv_cache_gib} must be > 0 (or null: inferred from gpu_memory_utilization)")
-        for name in ("max_num_seqs", "max_num_batched_tokens"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "cudagraph_max_tokens"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 out.append(f"{prefix}.{name}={getattr(self, name)} must be >= 1 (or null for vLLM's default)")
         if self.gdn_prefill_backend not in (None, "triton", "flashinfer"):
@@ -115,6 +121,8 @@ class EngineConfig:
             extra["max_num_seqs"] = self.max_num_seqs
         if self.max_num_batched_tokens is not None:
             extra["max_num_batched_tokens"] = self.max_num_batched_tokens
+        if self.cudagraph_max_tokens is not None:
+            extra["compilation_config"] = {"max_cudagraph_capture_size": self.cudagraph_max_tokens}
         config = read_config(model_path)
         vl = is_vision_language(config)
         if self.language_model_only if self.language_model_only is not None else vl:

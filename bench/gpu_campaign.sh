@@ -15,7 +15,11 @@
 # Between calls the machine waits 30 s, then goes back with everything on it: decide before the first call.
 # PLAN=figures (given to `start`) runs the figures lane instead of the learning run: every benchmark alone (the
 # Sampler's, the update's variants, two `alfrl fit` steps, a staged adapter's 274-game evaluation with a profiled
-# window), then the reference recipe on a random Qwen3.5-4B-structure checkpoint (one update) and its evaluation.
+# window, once as vLLM captures CUDA graphs by default and once with GRAPH_TOKENS=2048: 0 skips it), then the reference
+# recipe on a random Qwen3.5-4B-structure checkpoint (one update) and its evaluation. BENCH_EXTRA adds recipe overrides
+# to the Sampler's benchmark (e.g. --data.engine.cudagraph_max_tokens=2048); FIT_STEPS=0 skips the two `alfrl fit` steps.
+# The seventh lease (2026-12-01) ran out during the Qwen3.5 update: with the second evaluation the lane needs more than
+# one lease; order what matters first.
 # An adapter brought back from an earlier lease (.gpu-adapter/p1, p2: pieces of a tar of a/ with the
 # adapter's two files), evaluated beside the rest (stage before `start`):
 #   bash bench/gpu_campaign.sh stage .gpu-adapter/p1; bash bench/gpu_campaign.sh stage .gpu-adapter/p2
@@ -142,7 +146,7 @@ bench_lane() {  # alone on the GPU: the two sync modes side by side first, then 
 }
 
 figures_lane() {  # every figure alone on the GPU, one after another; a phase that fails or overruns does not stop the next
-  local fig_bench=(--phases ceiling runners update "${BENCH_OVERRIDES[@]}")
+  local fig_bench=(--phases ceiling runners update "${BENCH_OVERRIDES[@]}" ${BENCH_EXTRA:-})   # BENCH_EXTRA: recipe overrides
   [ "$DRY" = 1 ] && fig_bench=(--games 2 --dry --phases runners update "${BENCH_OVERRIDES[@]}")
   timed bench_lora timeout $T_BENCH "$PY" bench/sampler_bench.py --recipe $RL --out "$W/results/sampler_bench_lora.json" "${fig_bench[@]}"
   [ "${MERGED_BENCH:-0}" = 1 ] && timed bench_merged timeout $T_MERGED "$PY" bench/sampler_bench.py --recipe $RL --out "$W/results/sampler_bench_merged.json" "${MERGED[@]}"
@@ -155,6 +159,11 @@ figures_lane() {  # every figure alone on the GPU, one after another; a phase th
     mkdir -p "$RUN/adapter" && cat /tmp/adapter-stage/*.part* | tar -xf - -C "$RUN/adapter" \
       && timed eval_adapter timeout $T_EVAL "$PY" bench/sampler_bench.py --recipe $RL --out "$W/results/eval_adapter.json" \
         --eval-out "$RUN/adapter_eval.jsonl" --phases eval --adapter "$RUN/adapter/a" --profile-steps "${PROFILE_STEPS:-$PROFILE_DEFAULT}" "${EVAL_BENCH[@]}"
+    # the same evaluation with engine steps of up to GRAPH_TOKENS tokens replayed as CUDA graphs (vLLM's default: 512;
+    # 2026-12-01: most evaluation steps were larger and ran op by op, the GPU busy 21% of the time); 0 skips it
+    [ "${GRAPH_TOKENS:-2048}" -gt 0 ] && timed eval_adapter_graphs timeout $T_EVAL "$PY" bench/sampler_bench.py --recipe $RL \
+      --out "$W/results/eval_adapter_graphs.json" --eval-out "$RUN/adapter_eval_graphs.jsonl" --phases eval --adapter "$RUN/adapter/a" \
+      --profile-steps "${PROFILE_STEPS:-$PROFILE_DEFAULT}" "${EVAL_BENCH[@]}" "--data.engine.cudagraph_max_tokens=${GRAPH_TOKENS:-2048}"
   fi
   while [ ! -f "$W/q35model.done" ]; do sleep 2; done
   # the recipe as it is, its loggers CSV only: SwanLab is not in the offline kit, and a recipe naming a logger class that

@@ -191,16 +191,18 @@ def update_phase(policy, samples, temperature: float, variants=UPDATE_VARIANTS) 
     return out
 
 
-def profile_window(engine, start: int, count: int, path: str) -> dict:
+def profile_window(engine, start: int, count: int, path: str):
     """Wrap ``engine.step``: steps start..start+count-1 under torch.profiler (CPU + CUDA), the next ``count`` under
-    cProfile; tables into ``path``. Returns the window's figures (filled when the window has run)."""
+    cProfile. Returns (figures, finish): ``finish()`` (after the evaluation) writes the tables into ``path``.
+
+    The evaluation's clock includes the wrapper's own bookkeeping (starting and stopping the profilers), reported
+    as ``profiler_overhead_seconds``; the tables are made after the evaluation (on 2026-12-01 making them inside the
+    step stalled the evaluation ~20 s)."""
     import cProfile
-    import io
-    import pstats
 
     from torch.profiler import ProfilerActivity, profile
 
-    real, seen, figures, state = engine.step, [0], {}, {}
+    real, seen, figures, state = engine.step, [0], {"profiler_overhead_seconds": 0.0}, {}
     cuda = torch.cuda.is_available()
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
@@ -208,25 +210,40 @@ def profile_window(engine, start: int, count: int, path: str) -> dict:
     def step():
         seen[0] += 1
         n = seen[0]
+        t0 = time.perf_counter()
         if n == start:
             sync()
-            state["t"] = time.perf_counter()
             state["prof"] = profile(activities=activities)
             state["prof"].__enter__()
+            state["t"] = time.perf_counter()
         elif n == start + count:
             state["cp"] = cProfile.Profile()
             state["t2"] = time.perf_counter()
             state["cp"].enable()
+        figures["profiler_overhead_seconds"] += time.perf_counter() - t0
         out = real()
+        t1 = time.perf_counter()
         if n == start + count - 1:
             sync()
-            wall = time.perf_counter() - state["t"]
-            prof = state.pop("prof")
-            prof.__exit__(None, None, None)
-            events = prof.key_averages()
+            figures.update({"torch_profiler_steps": count, "torch_profiler_wall_seconds": time.perf_counter() - state["t"]})
+            state["prof"].__exit__(None, None, None)
+        elif n == start + 2 * count - 1:
+            state["cp"].disable()
+            figures["cprofile_steps"], figures["cprofile_wall_seconds"] = count, time.perf_counter() - state["t2"]
+        if n in (start + count - 1, start + 2 * count - 1):
+            figures["profiler_overhead_seconds"] += time.perf_counter() - t1
+        return out
+
+    def finish() -> None:
+        import io
+        import pstats
+
+        engine.step = real
+        if "torch_profiler_wall_seconds" in figures:
+            events = state["prof"].key_averages()
             device_us = sum(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0)) for e in events)
-            figures.update({"torch_profiler_steps": count, "torch_profiler_wall_seconds": wall,
-                            "device_kernel_seconds": device_us / 1e6, "device_busy_share": device_us / 1e6 / wall})
+            wall = figures["torch_profiler_wall_seconds"]
+            figures.update({"device_kernel_seconds": device_us / 1e6, "device_busy_share": device_us / 1e6 / wall})
             with open(path, "w") as f:
                 f.write(f"engine steps {start}..{start + count - 1}: wall {wall:.3f} s, device kernels {device_us / 1e6:.3f} s\n\n")
                 for key in ("self_device_time_total", "self_cpu_time_total", "cpu_time_total"):
@@ -234,19 +251,16 @@ def profile_window(engine, start: int, count: int, path: str) -> dict:
                         f.write(f"== sorted by {key}\n" + events.table(sort_by=key, row_limit=35) + "\n")
                     except Exception as e:  # noqa: BLE001 - a key this torch does not know
                         f.write(f"== {key}: {e}\n")
-        elif n == start + 2 * count - 1:
-            state["cp"].disable()
-            figures["cprofile_steps"], figures["cprofile_wall_seconds"] = count, time.perf_counter() - state["t2"]
+        if "cprofile_steps" in figures:
             text = io.StringIO()
             stats = pstats.Stats(state["cp"], stream=text)
             stats.sort_stats("tottime").print_stats(40)
             stats.sort_stats("cumulative").print_stats(60)
             with open(path, "a") as f:
                 f.write(f"\n== cProfile, engine steps {start + count}..{start + 2 * count - 1}\n" + text.getvalue())
-        return out
 
     engine.step = step
-    return figures
+    return figures, finish
 
 
 def push(sampler, policy) -> None:
@@ -380,12 +394,13 @@ def main() -> None:
                 if args.adapter:
                     policy.load_adapter(args.adapter)
                     sampler.sync(policy)
-                profiled = {}
+                profiled, finish = {}, (lambda: None)
                 if args.profile_steps:
                     first, count = (int(x) for x in args.profile_steps.split(":"))
-                    profiled = profile_window(sampler.engine, first, count, args.out + ".profile.txt")
+                    profiled, finish = profile_window(sampler.engine, first, count, args.out + ".profile.txt")
                 summary = sampler.evaluate(eval_list, args.eval_out or args.out + ".eval.jsonl", {"model_name": policy.hparams.model_name,
                                            "adapter": args.adapter, "bench": "sampler_bench"}, cfg, overwrite=True)
+                finish()
                 report["phases"]["eval"] = {"games": len(eval_list), "seconds": summary.pop("seconds"), "overall": summary["overall"],
                                             "splits": summary["splits"], "time": summary.get("time"), "profile": profiled}
             elif phase in ("update", "sync"):

@@ -92,6 +92,15 @@ def test_a_fixed_kv_cache_size_reaches_vllm_and_is_checked(tiny_model_dir):
     assert EngineConfig(kv_cache_gib=0).problems() == ["data.engine.kv_cache_gib=0 must be > 0 (or null: inferred from gpu_memory_utilization)"]
 
 
+def test_the_cuda_graph_size_reaches_vllm_and_is_checked(tiny_model_dir):
+    from alfrl.sampler import EngineConfig
+
+    extra = EngineConfig(kind="vllm", cudagraph_max_tokens=2048).vllm_extra(tiny_model_dir)
+    assert extra == {"compilation_config": {"max_cudagraph_capture_size": 2048}}
+    assert "compilation_config" not in EngineConfig(kind="vllm").vllm_extra(tiny_model_dir)  # vLLM's default
+    assert EngineConfig(cudagraph_max_tokens=0).problems() == ["data.engine.cudagraph_max_tokens=0 must be >= 1 (or null for vLLM's default)"]
+
+
 def test_waking_the_vllm_engine_zeroes_its_kv_cache_and_puts_the_adapter_back():
     """vLLM maps fresh, unzeroed memory back at wake-up; the engine zeroes every cache storage once (views share one)."""
     from types import SimpleNamespace

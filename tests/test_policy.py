@@ -109,6 +109,24 @@ def test_sampler_old_logprobs_make_the_clip_bound_the_sampler_trainer_mismatch(r
     assert stats["sampler_minus_trainer_logprob"] == pytest.approx(-0.5, abs=1e-5)  # measured before the optimizer step
 
 
+@pytest.mark.parametrize("checkpointing", [True, False])
+def test_an_update_trains_in_train_mode_and_gradient_checkpointing_recomputes(random_model_dir, checkpointing):
+    # from_pretrained leaves the base model in eval mode and Lightning keeps submodules' modes: before the fix the
+    # decoder layers never saw training=True, so gradient_checkpointing: true recomputed nothing
+    policy = AlfrlPolicy(model_name=random_model_dir, dtype="float32", lora=LORA8, gradient_checkpointing=checkpointing)
+    policy.configure_model()
+    layer = policy.model.get_base_model().model.layers[0]
+    assert not layer.training  # as transformers hands it over
+    calls, forward = [], layer.mlp.forward
+    layer.mlp.forward = lambda *a, **k: calls.append(layer.training) or forward(*a, **k)
+    torch.manual_seed(2)
+    samples = [_sample(torch.randint(0, 1000, (24,)).tolist(), 12, 1.0 - 2 * k, traj=k) for k in range(2)]
+    policy.update(samples, optimizer=torch.optim.AdamW(policy.trainable_parameters(), lr=1e-4))
+    assert calls and all(calls)  # every forward of the update ran in train mode
+    rows = len(policy.microbatches(samples, [0, 1]))
+    assert len(calls) == rows * (2 if checkpointing else 1)  # checkpointed: the backward ran each layer again
+
+
 def test_only_lora_weights_train(policy):
     trainable = [n for n, p in policy.model.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in n for n in trainable)
@@ -196,6 +214,21 @@ def test_qwen35_hybrid_layers_get_lora_and_chunked_logprobs(tmp_path):
     chunked = predicted_logprobs(policy.model, ids, predict, chunk_size=5)
     full = torch.log_softmax(policy.model(input_ids=ids).logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None]).squeeze(-1)[predict[:, :-1]]
     assert torch.allclose(chunked, full, atol=1e-5)
+    # the reference recipe checkpoints (in effect since the base model trains in train mode): same gradients
+    sample = _sample(torch.randint(0, 1000, (30,)).tolist(), 10, 1.0)
+    grads = []
+    for checkpointing in (False, True):
+        torch.manual_seed(1)
+        p = AlfrlPolicy(model_name=str(tmp_path), dtype="float32", lora=LoRAConfig(rank=4, alpha=8), gradient_checkpointing=checkpointing)
+        p.configure_model()
+        for name, param in p.model.named_parameters():
+            if "lora_B" in name:
+                param.data.normal_(0, 0.02)
+        p.model.train()
+        p.logprobs_of(collate([sample], [0], "cpu")).sum().backward()
+        grads.append({n: q.grad for n, q in p.model.named_parameters() if q.grad is not None})
+    assert set(grads[0]) == set(grads[1]) and grads[0]
+    assert all(torch.allclose(grads[0][n], grads[1][n], atol=1e-6, rtol=1e-4) for n in grads[0])
 
 
 def test_a_non_finite_gradient_skips_the_step_instead_of_poisoning_the_weights(random_model_dir):
