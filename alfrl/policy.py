@@ -59,9 +59,8 @@ class AlfrlPolicy(L.LightningModule):
             dtype: ``auto`` = bfloat16 on GPU, float32 on CPU.
             attn_implementation: passed to transformers (``sdpa``, ``flash_attention_2``, ``eager``), or
                 ``sdpa_varlen`` (alfrl.attention): SDPA on each sequence of a packed row instead of a T x T mask.
-            gradient_checkpointing: recompute activations in backward (long trajectories on big models).
-                Takes effect from 2026-12-01's fix on: before it, the base model stayed in eval mode and no
-                update recomputed anything, whatever this said.
+            gradient_checkpointing: recompute activations in backward (long trajectories on big models); the
+                update runs the model in train mode, without which transformers recomputes nothing.
             init_adapter: start from this LoRA adapter (a checkpoint folder, its adapter/ or trainer.ckpt,
                 e.g. an ``alfrl sft`` run's); null starts from B = 0.
             lora: the adapter (rank, alpha, dropout, target modules).
