@@ -19,7 +19,7 @@
 # recipe on a random Qwen3.5-4B-structure checkpoint (one update) and its evaluation. BENCH_EXTRA adds recipe overrides
 # to the Sampler's benchmark (e.g. --data.engine.cudagraph_max_tokens=2048); FIT_STEPS=0 skips the two `alfrl fit` steps.
 # The seventh lease (2026-12-01) ran out during the Qwen3.5 update: with the second evaluation the lane needs more than
-# one lease; order what matters first.
+# one lease; order what matters first (Q35_FIRST=1 runs the Qwen3.5 part first; GRAPH_TOKENS=0, FIT_STEPS=0 shorten it).
 # An adapter brought back from an earlier lease (.gpu-adapter/p1, p2: pieces of a tar of a/ with the
 # adapter's two files), evaluated beside the rest (stage before `start`):
 #   bash bench/gpu_campaign.sh stage .gpu-adapter/p1; bash bench/gpu_campaign.sh stage .gpu-adapter/p2
@@ -146,6 +146,11 @@ bench_lane() {  # alone on the GPU: the two sync modes side by side first, then 
 }
 
 figures_lane() {  # every figure alone on the GPU, one after another; a phase that fails or overruns does not stop the next
+  # Q35_FIRST=1: the Qwen3.5 part first (the seventh lease ran out during it, after the 1.5B figures)
+  if [ "${Q35_FIRST:-0}" = 1 ]; then q35_figures; figures_15b; else figures_15b; q35_figures; fi
+}
+
+figures_15b() {  # the Sampler, the update's variants, the recipe's step, a staged adapter's evaluation (Qwen2.5-1.5B)
   local fig_bench=(--phases ceiling runners update "${BENCH_OVERRIDES[@]}" ${BENCH_EXTRA:-})   # BENCH_EXTRA: recipe overrides
   [ "$DRY" = 1 ] && fig_bench=(--games 2 --dry --phases runners update "${BENCH_OVERRIDES[@]}")
   timed bench_lora timeout $T_BENCH "$PY" bench/sampler_bench.py --recipe $RL --out "$W/results/sampler_bench_lora.json" "${fig_bench[@]}"
@@ -165,6 +170,9 @@ figures_lane() {  # every figure alone on the GPU, one after another; a phase th
       --out "$W/results/eval_adapter_graphs.json" --eval-out "$RUN/adapter_eval_graphs.jsonl" --phases eval --adapter "$RUN/adapter/a" \
       --profile-steps "${PROFILE_STEPS:-$PROFILE_DEFAULT}" "${EVAL_BENCH[@]}" "--data.engine.cudagraph_max_tokens=${GRAPH_TOKENS:-2048}"
   fi
+}
+
+q35_figures() {  # the reference recipe on the random Qwen3.5-4B-structure checkpoint: one update, then its evaluation
   while [ ! -f "$W/q35model.done" ]; do sleep 2; done
   # the recipe as it is, its loggers CSV only: SwanLab is not in the offline kit, and a recipe naming a logger class that
   # cannot be imported fails before any --trainer.logger override applies (2026-12-01)

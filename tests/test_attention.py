@@ -10,8 +10,9 @@ from alfrl.ppo import LoRAConfig, PPOConfig, collate
 from alfrl.types import TokenSequence
 
 
-def _policy(model_dir: str, attn: str) -> AlfrlPolicy:
+def _policy(model_dir: str, attn: str, checkpointing: bool = False) -> AlfrlPolicy:
     p = AlfrlPolicy(model_name=model_dir, dtype="float32", attn_implementation=attn, lora=LoRAConfig(rank=8, alpha=16),
+                    gradient_checkpointing=checkpointing,
                     ppo=PPOConfig(microbatch_tokens=4096, logprob_chunk_size=16))
     torch.manual_seed(0)  # the same LoRA A for both implementations
     p.configure_model()
@@ -37,7 +38,8 @@ def test_segment_lengths_split_where_positions_restart():
     assert segment_lengths(torch.tensor([[0, 0, 0]])) == (1, 1, 1)
 
 
-def test_packed_rows_score_and_train_exactly_as_sdpa_with_its_mask(tiny_model_dir, monkeypatch):
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_packed_rows_score_and_train_exactly_as_sdpa_with_its_mask(tiny_model_dir, monkeypatch, checkpointing):
     import transformers.masking_utils as masking
 
     samples = _samples((37, 64, 5, 23))
@@ -45,7 +47,8 @@ def test_packed_rows_score_and_train_exactly_as_sdpa_with_its_mask(tiny_model_di
     alone = [collate(samples, [i], "cpu") for i in range(4)]
     results = {}
     for attn in ("sdpa", "sdpa_varlen"):
-        policy = _policy(tiny_model_dir, attn)
+        policy = _policy(tiny_model_dir, attn, checkpointing)
+        policy.model.train()  # as in an update: checkpointed layers recompute (with the row's boundaries) in backward
         built = []  # the sizes of the masks transformers materialized for this implementation
         real = masking.AttentionMaskInterface._global_mapping[attn]
 
