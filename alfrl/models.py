@@ -88,6 +88,16 @@ def has_linear_attention(config) -> bool:
     return "linear_attention" in (getattr(text_config_of(config), "layer_types", None) or [])
 
 
+def set_gradient_checkpointing(model, on: bool) -> None:
+    """Recompute each decoder layer's activations in backward (non-reentrant), or stop; ``model`` is the causal
+    LM. transformers applies it only to layers in train mode."""
+    if on:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
+    else:
+        model.gradient_checkpointing_disable()
+
+
 def load_causal_lm(model_name: str, dtype, attn_implementation: str | None = None, gguf_file: str | None = None):
     """The causal LM the trainer trains: a plain causal LM, or the text stack of a vision-language
     checkpoint (its vision tower is never loaded).

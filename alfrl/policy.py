@@ -130,13 +130,12 @@ class AlfrlPolicy(L.LightningModule):
             return
         from peft import LoraConfig, get_peft_model
 
-        from alfrl.models import has_linear_attention, load_causal_lm
+        from alfrl.models import has_linear_attention, load_causal_lm, set_gradient_checkpointing
 
         hp, lora = self.hparams, self.lora
         base = load_causal_lm(hp.model_name, self.torch_dtype(), hp.attn_implementation, hp.gguf_file)
         if hp.gradient_checkpointing:
-            base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            base.enable_input_require_grads()
+            set_gradient_checkpointing(base, True)
         base.config.use_cache = False
         self.packable = not has_linear_attention(base.config)
         config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=lora.target_modules,

@@ -17,7 +17,7 @@ import json
 import sys
 from pathlib import Path
 
-from alfrl.evaluation import EvalError, read_results
+from alfrl.evaluation import EvalError, read_results, task_type_wins
 from alfrl.games import TASK_TYPES
 
 SPLIT_COLUMNS = ("valid_seen", "valid_unseen")
@@ -73,11 +73,7 @@ def _task_rate(summary: dict, task: str, split: str | None) -> float | None:
     if split is not None:
         v = summary["task_types"].get(split, {}).get(task)
         return v["success_rate"] if v else None
-    games = wins = 0
-    for per_task in summary["task_types"].values():
-        if task in per_task:
-            games += per_task[task]["games"]
-            wins += per_task[task]["wins"]
+    wins, games = task_type_wins(summary).get(task, (0, 0))
     return wins / games if games else None
 
 

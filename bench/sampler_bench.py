@@ -121,22 +121,14 @@ def _set_attention(policy, name: str) -> None:
     from alfrl.logprobs import causal_lm_of
 
     register()
-    lm = causal_lm_of(policy.model)
-    if hasattr(lm, "set_attn_implementation"):
-        lm.set_attn_implementation(name)
-    else:
-        lm.config._attn_implementation = name
+    causal_lm_of(policy.model).set_attn_implementation(name)
 
 
 def _set_checkpointing(policy, on: bool) -> None:
     from alfrl.logprobs import causal_lm_of
+    from alfrl.models import set_gradient_checkpointing
 
-    lm = causal_lm_of(policy.model)
-    if on:
-        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        lm.enable_input_require_grads()
-    else:
-        lm.gradient_checkpointing_disable()
+    set_gradient_checkpointing(causal_lm_of(policy.model), on)
 
 
 def update_phase(policy, samples, temperature: float, variants=UPDATE_VARIANTS) -> dict:
