@@ -19,7 +19,11 @@
 # recipe on a random Qwen3.5-4B-structure checkpoint (one update) and its evaluation. BENCH_EXTRA adds recipe overrides
 # to the Sampler's benchmark (e.g. --data.engine.cudagraph_max_tokens=2048); FIT_STEPS=0 skips the two `alfrl fit` steps.
 # The seventh lease (2026-12-01) ran out during the Qwen3.5 update: with the second evaluation the lane needs more than
-# one lease; order what matters first (Q35_FIRST=1 runs the Qwen3.5 part first; GRAPH_TOKENS=0, FIT_STEPS=0 shorten it).
+# one lease; order what matters first (Q35_FIRST=1 runs the Qwen3.5 part first; GRAPH_TOKENS=0, FIT_STEPS=0, FIG_BENCH=0
+# shorten it). With Q35_FIRST=1 `start` needs no model piece: stage the kit, .gpu-extra, the adapter, then `start`
+# (carry .gpu-data), then m01..m20 while the Qwen3.5 part runs (the 1.5B part waits for the 20th piece).
+# The compilers' caches come back with `caches 0`, `caches 1`, ... (4 pieces a call); here `cache-pieces DIR` lays
+# them out as .gpu-cache/k01.., staged before a later lease's `start`, which restores them.
 # An adapter brought back from an earlier lease (.gpu-adapter/p1, p2: pieces of a tar of a/ with the
 # adapter's two files), evaluated beside the rest (stage before `start`):
 #   bash bench/gpu_campaign.sh stage .gpu-adapter/p1; bash bench/gpu_campaign.sh stage .gpu-adapter/p2
@@ -51,6 +55,12 @@ mkdir -p "$W/logs" "$W/results" "$OUT"
 export PYTHONPATH=/tmp/site:$REPO PYTHONUNBUFFERED=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 TOKENIZERS_PARALLELISM=false
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 RUN=$W/runs
+if [ "$DRY" != 1 ]; then
+  # the compilers' caches in one folder, so `caches` can bring them back and a later lease's `start` restore them
+  # (2026-12-01, Qwen3.5 on a fresh machine: torch.compile 63 s and a 89 s warm-up in the engine's start, then ~99 s of
+  # flash-linear-attention autotuning in the first update; vLLM keeps Triton's autotuning results on disk)
+  export TRITON_CACHE_DIR=$W/cache/triton VLLM_CACHE_ROOT=$W/cache/vllm TORCHINDUCTOR_CACHE_DIR=$W/cache/inductor
+fi
 if [ "$DRY" = 1 ]; then
   export ALFWORLD_DATA=${ALFWORLD_DATA:-$REPO/.cache/alfworld}
   PY=${PY:-$REPO/.venv/bin/python}
@@ -107,7 +117,7 @@ else
   # stop on their own: completions run to a fixed 100 tokens, so trajectories reach the 12,000-token budget)
   Q35_MODEL=.cache/random-qwen3.5-4b; Q35_SHAPE=qwen3.5-4b
   Q35_ARGS=(--trainer.accelerator gpu); Q35_EVAL=(--trainer.accelerator gpu)
-  T_BENCH=480; T_MERGED=240; T_EVAL=420; T_Q35=600; T_Q35_EVAL=300; T_FIT=300
+  T_BENCH=480; T_MERGED=240; T_EVAL=420; T_Q35=${T_Q35:-900}; T_Q35_EVAL=${T_Q35_EVAL:-420}; T_FIT=300
   FIT_ARGS=(--trainer.accelerator gpu --data.env.num_workers 16 --data.engine.gpu_memory_utilization 0.4)
 fi
 Q35=recipes/qwen4b_80step.yaml
@@ -150,10 +160,23 @@ figures_lane() {  # every figure alone on the GPU, one after another; a phase th
   if [ "${Q35_FIRST:-0}" = 1 ]; then q35_figures; figures_15b; else figures_15b; q35_figures; fi
 }
 
+model_15b() {  # the staged GGUF (MODEL_PARTS pieces, staged before `start` or while the Qwen3.5 part runs) -> a Hugging Face folder
+  while [ "$(ls /tmp/model-stage/qwen.gguf.part* 2>/dev/null | wc -l)" -lt "${MODEL_PARTS:-20}" ]; do sleep 2; done
+  sleep 2   # the last piece's copy has ended (its call returned) before the next check
+  mkdir -p .cache/qwen15b-coder
+  cat /tmp/model-stage/qwen.gguf.part* > .cache/qwen15b-coder/qwen.gguf
+  local sha; sha=$(sha256sum .cache/qwen15b-coder/qwen.gguf | cut -d' ' -f1)
+  [ "$sha" = cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046 ] || { log "GGUF checksum mismatch: $sha"; touch "$W/model.failed"; return 1; }
+  timed convert_gguf "${ALFRL[@]}" convert-gguf .cache/qwen15b-coder --gguf-file qwen.gguf --out .cache/qwen15b-coder-hf || { touch "$W/model.failed"; return 1; }
+  gunzip -c "/tmp/gpu-data/${EXPERT_GZ:-expert_qwen15b_all.jsonl.gz}" > "$EXPERT"
+  touch "$W/model.done"
+}
+
 figures_15b() {  # the Sampler, the update's variants, the recipe's step, a staged adapter's evaluation (Qwen2.5-1.5B)
+  while [ ! -f "$W/model.done" ]; do [ -f "$W/model.failed" ] && { log "no 1.5B model: its figures skipped"; return 1; }; sleep 2; done
   local fig_bench=(--phases ceiling runners update "${BENCH_OVERRIDES[@]}" ${BENCH_EXTRA:-})   # BENCH_EXTRA: recipe overrides
   [ "$DRY" = 1 ] && fig_bench=(--games 2 --dry --phases runners update "${BENCH_OVERRIDES[@]}")
-  timed bench_lora timeout $T_BENCH "$PY" bench/sampler_bench.py --recipe $RL --out "$W/results/sampler_bench_lora.json" "${fig_bench[@]}"
+  [ "${FIG_BENCH:-1}" = 1 ] && timed bench_lora timeout $T_BENCH "$PY" bench/sampler_bench.py --recipe $RL --out "$W/results/sampler_bench_lora.json" "${fig_bench[@]}"
   [ "${MERGED_BENCH:-0}" = 1 ] && timed bench_merged timeout $T_MERGED "$PY" bench/sampler_bench.py --recipe $RL --out "$W/results/sampler_bench_merged.json" "${MERGED[@]}"
   # the 1.5B recipe's step measured as `alfrl fit` runs it (rollout, update, sync), alone: 2 updates, timings in its CSV
   [ "${FIT_STEPS:-2}" -gt 0 ] && timed fit_15b timeout $T_FIT "${ALFRL[@]}" fit --config $RL "${MODEL[@]}" "${FIT_ARGS[@]}" \
@@ -161,15 +184,24 @@ figures_15b() {  # the Sampler, the update's variants, the recipe's step, a stag
   # a brought-back adapter's 274-game evaluation alone (the Sampler's evaluate, as `alfrl eval`), a window of its
   # engine steps profiled (torch.profiler, then cProfile): where an engine step's time goes
   if ls /tmp/adapter-stage/*.part* > /dev/null 2>&1; then
-    mkdir -p "$RUN/adapter" && cat /tmp/adapter-stage/*.part* | tar -xf - -C "$RUN/adapter" \
-      && timed eval_adapter timeout $T_EVAL "$PY" bench/sampler_bench.py --recipe $RL --out "$W/results/eval_adapter.json" \
-        --eval-out "$RUN/adapter_eval.jsonl" --phases eval --adapter "$RUN/adapter/a" --profile-steps "${PROFILE_STEPS:-$PROFILE_DEFAULT}" "${EVAL_BENCH[@]}"
-    # the same evaluation with engine steps of up to GRAPH_TOKENS tokens replayed as CUDA graphs (vLLM's default: 512;
-    # 2026-12-01: most evaluation steps were larger and ran op by op, the GPU busy 21% of the time); 0 skips it
-    [ "${GRAPH_TOKENS:-2048}" -gt 0 ] && timed eval_adapter_graphs timeout $T_EVAL "$PY" bench/sampler_bench.py --recipe $RL \
-      --out "$W/results/eval_adapter_graphs.json" --eval-out "$RUN/adapter_eval_graphs.jsonl" --phases eval --adapter "$RUN/adapter/a" \
-      --profile-steps "${PROFILE_STEPS:-$PROFILE_DEFAULT}" "${EVAL_BENCH[@]}" "--data.engine.cudagraph_max_tokens=${GRAPH_TOKENS:-2048}"
+    mkdir -p "$RUN/adapter" && cat /tmp/adapter-stage/*.part* | tar -xf - -C "$RUN/adapter" || return 1
+    # GRAPH_FIRST=1: the CUDA-graph variant first (what a short lease must not miss), vLLM's default second
+    if [ "${GRAPH_FIRST:-0}" = 1 ]; then eval_graphs; eval_default; else eval_default; eval_graphs; fi
   fi
+}
+
+eval_default() {  # a brought-back adapter's 274-game evaluation alone (the Sampler's evaluate, as `alfrl eval`), a window of its
+  # engine steps profiled (torch.profiler, then cProfile): where an engine step's time goes
+  timed eval_adapter timeout $T_EVAL "$PY" bench/sampler_bench.py --recipe $RL --out "$W/results/eval_adapter.json" \
+    --eval-out "$RUN/adapter_eval.jsonl" --phases eval --adapter "$RUN/adapter/a" --profile-steps "${PROFILE_STEPS:-$PROFILE_DEFAULT}" "${EVAL_BENCH[@]}"
+}
+
+eval_graphs() {  # the same evaluation with engine steps of up to GRAPH_TOKENS tokens replayed as CUDA graphs (vLLM's default:
+  # 512; 2026-12-01: most evaluation steps were larger and ran op by op, the GPU busy 21% of the time); 0 skips it
+  [ "${GRAPH_TOKENS:-2048}" -gt 0 ] || return 0
+  timed eval_adapter_graphs timeout $T_EVAL "$PY" bench/sampler_bench.py --recipe $RL \
+    --out "$W/results/eval_adapter_graphs.json" --eval-out "$RUN/adapter_eval_graphs.jsonl" --phases eval --adapter "$RUN/adapter/a" \
+    --profile-steps "${PROFILE_STEPS:-$PROFILE_DEFAULT}" "${EVAL_BENCH[@]}" "--data.engine.cudagraph_max_tokens=${GRAPH_TOKENS:-2048}"
 }
 
 q35_figures() {  # the reference recipe on the random Qwen3.5-4B-structure checkpoint: one update, then its evaluation
@@ -271,6 +303,7 @@ case "${1:-}" in
   stage)
     if [[ "$2" == *gpu-model* ]]; then mkdir -p /tmp/model-stage && cp "$2"/qwen.gguf.part* /tmp/model-stage/ && log "staged $2"
     elif [[ "$2" == *gpu-adapter* ]]; then mkdir -p /tmp/adapter-stage && cp "$2"/*.part* /tmp/adapter-stage/ && log "staged $2"
+    elif [[ "$2" == *gpu-cache* ]]; then mkdir -p /tmp/cache-stage && cp "$2"/* /tmp/cache-stage/ && log "staged $2"
     elif [[ "$2" == *gpu-resume* ]]; then mkdir -p /tmp/resume-stage && cp "$2"/* /tmp/resume-stage/ && log "staged $2"
     else bash bench/gpu_session.sh stage "$2" && log "staged $2"; fi ;;
   install)  # in the background: the kit into /tmp/site; needs every kit chunk
@@ -288,16 +321,21 @@ case "${1:-}" in
     cp "$0" "$W/campaign.sh"; ALFRL_REPO=$REPO setsid nohup bash "$W/campaign.sh" _start > "$W/logs/start.log" 2>&1 < /dev/null &
     log "started" ;;
   _start)
+    if ls /tmp/cache-stage/caches.tgz.part* > /dev/null 2>&1; then   # an earlier lease's compiler caches (`caches`, .gpu-cache)
+      if [ "$(cat /tmp/cache-stage/caches.tgz.part* | sha256sum | cut -d' ' -f1)" = "$(cat /tmp/cache-stage/caches.tgz.sha256)" ]; then
+        mkdir -p "$W/cache" && cat /tmp/cache-stage/caches.tgz.part* | tar -xzf - -C "$W/cache" && log "compiler caches restored ($(du -sh "$W/cache" | cut -f1))"
+      else log "compiler caches not restored: checksum mismatch (stage every .gpu-cache folder)"; fi
+    fi
     if [ "$DRY" != 1 ]; then
       while [ ! -f "$W/install.done" ]; do sleep 2; done
       "${ALFRL[@]}" data prepare --data-dir .cache/alfworld --archive /tmp/gpu-data/json_2.1.1.tar.xz || exit 1
-      mkdir -p .cache/qwen15b-coder
-      cat /tmp/model-stage/qwen.gguf.part* > .cache/qwen15b-coder/qwen.gguf
-      sha=$(sha256sum .cache/qwen15b-coder/qwen.gguf | cut -d' ' -f1)
-      [ "$sha" = cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046 ] || { log "GGUF checksum mismatch: $sha"; exit 1; }
       [ "$PLAN" = figures ] && { timed random_q35 "${ALFRL[@]}" random-model --shape $Q35_SHAPE --out $Q35_MODEL; touch "$W/q35model.done"; } &
-      timed convert_gguf "${ALFRL[@]}" convert-gguf .cache/qwen15b-coder --gguf-file qwen.gguf --out .cache/qwen15b-coder-hf || exit 1
-      gunzip -c "/tmp/gpu-data/${EXPERT_GZ:-expert_qwen15b_all.jsonl.gz}" > "$EXPERT"
+      if [ "$PLAN" = figures ] && [ "${Q35_FIRST:-0}" = 1 ]; then
+        # the Qwen3.5 part needs no 1.5B model: it starts now, the GGUF is staged during it (the 1.5B part waits for it)
+        model_15b &
+      else
+        model_15b || exit 1
+      fi
     fi
     if [ "${RESUME:-0}" = 1 ]; then
       mkdir -p "$RUN/resume" && cat /tmp/resume-stage/trainer.ckpt.part* > "$RUN/resume/trainer.ckpt"
@@ -308,7 +346,7 @@ case "${1:-}" in
 print(int(c['callbacks'].get('Timer', {}).get('time_elapsed', {}).get('train', 0)), c['global_step'])" "$RUN/resume/trainer.ckpt" > "$RUN/resume/elapsed_step" || exit 1
     fi
     if [ "$DRY" = 1 ] && [ "$PLAN" = figures ]; then timed random_q35 "${ALFRL[@]}" random-model --shape $Q35_SHAPE --out $Q35_MODEL; touch "$W/q35model.done"; fi
-    touch "$W/model.done"
+    [ "$DRY" = 1 ] && touch "$W/model.done"
     if [ "$PLAN" = figures ]; then figures_lane; elif [ "${RESUME:-0}" = 1 ]; then resume_lane; else learn_lane; fi
     wait; touch "$W/all.done"; log "all done" ;;
   bench)  # after the learning job: the bench alone on the GPU
@@ -325,6 +363,19 @@ print(int(c['callbacks'].get('Timer', {}).get('time_elapsed', {}).get('train', 0
     for f in "$W"/logs/*.log; do echo "== $f"; grep -v "it/s\]\|^INFO\|^(EngineCore\|^DEBUG\|Warning\|warn" "$f" | tail -n 5; done
     [ -f "$mark" ] && echo "all done" ;;
   pieces) pieces "$2" "$3" ;;
+  caches)  # caches K: the compilers' caches (Triton, vLLM's torch.compile, Inductor) in 15 MiB pieces, 4 per call (K = 0, 1, ...)
+    p=$W/pieces_cache
+    [ -f "$p/done" ] || { rm -rf "$p" && mkdir -p "$p" && tar -czf "$W/caches.tgz" -C "$W/cache" . && split -b 15M -d -a 2 "$W/caches.tgz" "$p/caches.tgz.part" \
+      && sha256sum < "$W/caches.tgz" | cut -d' ' -f1 > "$p/caches.tgz.sha256" && touch "$p/done"; }
+    four_pieces "$p" "$2" && cp "$p/caches.tgz.sha256" "$OUT/"
+    echo "$(ls "$p"/*.part* | wc -l) pieces of the caches ($(du -sh "$W/cache" | cut -f1) unpacked); sent $(ls "$OUT" | tr '\n' ' ')" ;;
+  cache-pieces)  # here, after a lease: cache-pieces DIR (the pieces `caches` brought back) -> .gpu-cache/k01.. (3 pieces each)
+    ls "${2:-}"/caches.tgz.part* > /dev/null 2>&1 && [ -f "$2/caches.tgz.sha256" ] || { echo "cache-pieces: no caches.tgz.part* and caches.tgz.sha256 in '${2:-}': give the folder the \`caches\` calls brought back"; exit 2; }
+    [ "$(cat "$2"/caches.tgz.part* | sha256sum | cut -d' ' -f1)" = "$(cat "$2/caches.tgz.sha256")" ] || { echo "cache-pieces: the pieces in $2 do not match caches.tgz.sha256: bring back every piece"; exit 2; }
+    rm -rf .gpu-cache && i=0
+    for f in "$2"/caches.tgz.part*; do d=.gpu-cache/k$(printf %02d $(( i / 3 + 1 ))); mkdir -p "$d" && cp "$f" "$d/"; i=$(( i + 1 )); done
+    cp "$2/caches.tgz.sha256" .gpu-cache/k01/
+    echo "$(ls .gpu-cache | wc -l) folders in .gpu-cache: stage each before start" ;;
   resume-pieces)  # here, before a lease: resume-pieces STEP_DIR (a checkpoint folder with trainer.ckpt) -> .gpu-resume/r01..r08
     [ -f "${2:-}/trainer.ckpt" ] || { echo "resume-pieces: no trainer.ckpt in '${2:-}': give a run's checkpoints/step-NNNNNN folder"; exit 2; }
     rm -rf .gpu-resume && mkdir -p .gpu-resume/all && split -n 8 -d -a 2 "$2/trainer.ckpt" .gpu-resume/all/trainer.ckpt.part || exit 1
