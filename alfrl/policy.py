@@ -14,6 +14,7 @@ PPO epochs and minibatches).
 
 from __future__ import annotations
 
+import logging
 import math
 import random
 import time
@@ -23,12 +24,14 @@ from contextlib import nullcontext
 import lightning as L
 import torch
 
+from alfrl.linear_attention import KERNELS
 from alfrl.logprobs import causal_lm_of, predicted_logprobs, sequence_logprobs
 from alfrl.loss import ppo_clip_loss, token_weights, truncated_is_weights
 from alfrl.ppo import LoRAConfig, MicroBatch, OptimizerConfig, PPOConfig, collate, pack_microbatches
 from alfrl.types import Sample
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
+log = logging.getLogger("alfrl")
 
 
 def lora_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -45,6 +48,7 @@ class AlfrlPolicy(L.LightningModule):
         dtype: str = "auto",
         attn_implementation: str | None = "sdpa",
         gradient_checkpointing: bool = False,
+        linear_attention_kernel: str = "auto",
         init_adapter: str | None = None,
         lora: LoRAConfig = LoRAConfig(),
         optim: OptimizerConfig = OptimizerConfig(),
@@ -61,6 +65,9 @@ class AlfrlPolicy(L.LightningModule):
                 ``sdpa_varlen`` (alfrl.attention): SDPA on each sequence of a packed row instead of a T x T mask.
             gradient_checkpointing: recompute activations in backward (long trajectories on big models); the
                 update runs the model in train mode, without which transformers recomputes nothing.
+            linear_attention_kernel: what computes Gated DeltaNet layers (Qwen3.5) in training: ``auto``,
+                ``fla`` or ``torch`` (alfrl.linear_attention: flash-linear-attention refuses its gated backward
+                on Hopper with Triton < 3.7.1 unless checked against the PyTorch reference first).
             init_adapter: start from this LoRA adapter (a checkpoint folder, its adapter/ or trainer.ckpt,
                 e.g. an ``alfrl sft`` run's); null starts from B = 0.
             lora: the adapter (rank, alpha, dropout, target modules).
@@ -79,6 +86,8 @@ class AlfrlPolicy(L.LightningModule):
         """How many updates the weights have seen (logged by the weight sync)."""
         self.skipped_steps = 0
         """Optimizer steps skipped for a non-finite gradient (logged)."""
+        self.linear_attention = None
+        """The kernel chosen for linear-attention layers (alfrl.linear_attention.Choice), before the first update."""
 
     @property
     def lora(self) -> LoRAConfig:
@@ -101,6 +110,8 @@ class AlfrlPolicy(L.LightningModule):
             out.append(f"{prefix}.model_name is empty: set a hub name or a local model folder")
         if args.get("dtype", "auto") not in DTYPES:
             out.append(f"{prefix}.dtype={args.get('dtype')!r}: choose one of {', '.join(DTYPES)}")
+        if args.get("linear_attention_kernel", "auto") not in KERNELS:
+            out.append(f"{prefix}.linear_attention_kernel={args.get('linear_attention_kernel')!r}: choose one of {', '.join(KERNELS)}")
         for key, cls in (("lora", LoRAConfig), ("optim", OptimizerConfig), ("ppo", PPOConfig)):
             try:
                 out.extend(_as(cls, args.get(key, cls())).problems(f"{prefix}.{key}"))
@@ -143,6 +154,18 @@ class AlfrlPolicy(L.LightningModule):
         self.model = get_peft_model(base, config)
         if hp.init_adapter:
             self.load_adapter(hp.init_adapter)
+
+    def prepare_training(self) -> None:
+        """Before each update: train mode (from_pretrained leaves the base model in eval mode, Lightning keeps
+        submodules' modes, and transformers recomputes nothing for gradient checkpointing in eval mode); before the
+        first, the linear-attention kernel (alfrl.linear_attention)."""
+        self.model.train()
+        if self.linear_attention is None:
+            from alfrl.linear_attention import select
+
+            self.linear_attention = select(self.model, self.hparams.get("linear_attention_kernel", "auto"), self.device)
+            if self.linear_attention.kernel != "none":
+                log.warning("linear-attention layers: %s (%s)", self.linear_attention.kernel, self.linear_attention.reason)
 
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
@@ -260,7 +283,7 @@ class AlfrlPolicy(L.LightningModule):
         lightning_optimizer = self.optimizers() if optimizer is None else None
         raw_optimizer = lightning_optimizer.optimizer if lightning_optimizer is not None else optimizer
         world = self.trainer.world_size if attached else 1
-        self.model.train()  # from_pretrained leaves the base model in eval mode, and Lightning keeps submodules' modes
+        self.prepare_training()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         started = time.perf_counter()

@@ -160,7 +160,7 @@ class SFTPolicy(AlfrlPolicy):
 
     def training_step(self, batch: SFTBatch, batch_idx: int):
         started = time.perf_counter()
-        self.model.train()  # as in AlfrlPolicy.update: the base model comes out of from_pretrained in eval mode
+        self.prepare_training()  # as AlfrlPolicy.update: train mode; the linear-attention kernel before the first step
         optimizer = self.optimizers()
         n_tok = sum(s.trained_tokens for s in batch.samples)
         world = self.trainer.world_size

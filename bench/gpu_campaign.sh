@@ -191,9 +191,11 @@ figures_15b() {  # the Sampler, the update's variants, the recipe's step, a stag
 }
 
 eval_default() {  # a brought-back adapter's 274-game evaluation alone (the Sampler's evaluate, as `alfrl eval`), a window of its
-  # engine steps profiled (torch.profiler, then cProfile): where an engine step's time goes
+  # engine steps profiled (torch.profiler, then cProfile): where an engine step's time goes; with vLLM's default CUDA graphs
+  # (the 1.5B recipes say 2,048 since 2026-12-02)
   timed eval_adapter timeout $T_EVAL "$PY" bench/sampler_bench.py --recipe $RL --out "$W/results/eval_adapter.json" \
-    --eval-out "$RUN/adapter_eval.jsonl" --phases eval --adapter "$RUN/adapter/a" --profile-steps "${PROFILE_STEPS:-$PROFILE_DEFAULT}" "${EVAL_BENCH[@]}"
+    --eval-out "$RUN/adapter_eval.jsonl" --phases eval --adapter "$RUN/adapter/a" --profile-steps "${PROFILE_STEPS:-$PROFILE_DEFAULT}" "${EVAL_BENCH[@]}" \
+    --data.engine.cudagraph_max_tokens=null
 }
 
 eval_graphs() {  # the same evaluation with engine steps of up to GRAPH_TOKENS tokens replayed as CUDA graphs (vLLM's default:
