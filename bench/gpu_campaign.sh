@@ -13,6 +13,8 @@
 #   bash bench/gpu_campaign.sh send rl 0; ... send rl 1; send sft 0; send sft 1   # the adapters (bf16, 5 pieces each), once RL ended
 #   bash bench/gpu_campaign.sh bench && bash bench/gpu_campaign.sh wait 540 bench   # if time is left: the GPU alone
 # Between calls the machine waits 30 s, then goes back with everything on it: decide before the first call.
+# Keep a `wait` call going while reading what came back: a pause of over 30 s between calls lost a running
+# evaluation with its machine (2026-12-02).
 # PLAN=figures (given to `start`) runs the figures lane instead of the learning run: every benchmark alone (the
 # Sampler's, the update's variants, two `alfrl fit` steps, a staged adapter's 274-game evaluation with a profiled
 # window, once as vLLM captures CUDA graphs by default and once with GRAPH_TOKENS=2048: 0 skips it), then the reference
@@ -212,9 +214,16 @@ q35_figures() {  # the reference recipe on the random Qwen3.5-4B-structure check
   # cannot be imported fails before any --trainer.logger override applies (2026-12-01)
   "$PY" -c "import sys, yaml; d = yaml.safe_load(open('$Q35')); d['trainer']['logger'] = [{'class_path': 'lightning.pytorch.loggers.CSVLogger',
     'init_args': {'save_dir': '\${trainer.default_root_dir}', 'name': 'csv'}}]; yaml.safe_dump(d, open('$W/q35.yaml', 'w'), sort_keys=False)"
-  timed q35_fit timeout $T_Q35 "${ALFRL[@]}" fit --config "$W/q35.yaml" --model.model_name $Q35_MODEL "${Q35_ARGS[@]}" --trainer.max_steps 1 \
-    --trainer.default_root_dir "$RUN/q35" --data.rollout.max_assistant_tokens 100 \
-    --weight_sync.canary_at_step 1 --checkpoint.save_every 1 --progress_bar.refresh_rate 0
+  local try
+  for try in 1 2; do
+    timed q35_fit timeout $T_Q35 "${ALFRL[@]}" fit --config "$W/q35.yaml" --model.model_name $Q35_MODEL "${Q35_ARGS[@]}" --trainer.max_steps 1 \
+      --trainer.default_root_dir "$RUN/q35" --data.rollout.max_assistant_tokens 100 \
+      --weight_sync.canary_at_step 1 --checkpoint.save_every 1 --progress_bar.refresh_rate 0 && break
+    # 2026-12-02: 1 of 3 engine starts of this checkpoint on a fresh H200 died at the first prefill with a CUDA illegal
+    # instruction (a process cannot go on after one); started again once, the first log kept
+    grep -q "illegal instruction" "$W/logs/q35_fit.log" && [ "$try" = 1 ] || break
+    mv "$W/logs/q35_fit.log" "$W/logs/q35_fit_illegal_instruction.log"; rm -rf "$RUN/q35"; log "q35_fit: CUDA illegal instruction, started again"
+  done
   timed q35_eval timeout $T_Q35_EVAL "${ALFRL[@]}" eval --config "$W/q35.yaml" --model.model_name $Q35_MODEL "${Q35_EVAL[@]}" --limit-per-split 2 \
     --data.eval.max_assistant_tokens 100 --adapter "$RUN/q35/checkpoints/last" --out "$RUN/q35_eval.jsonl"
 }
