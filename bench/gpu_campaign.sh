@@ -22,7 +22,7 @@
 # to the Sampler's benchmark (e.g. --data.engine.cudagraph_max_tokens=2048); FIT_STEPS=0 skips the two `alfrl fit` steps.
 # The seventh lease (2026-12-01) ran out during the Qwen3.5 update: with the second evaluation the lane needs more than
 # one lease; order what matters first (Q35_FIRST=1 runs the Qwen3.5 part first; GRAPH_TOKENS=0, FIT_STEPS=0, FIG_BENCH=0
-# shorten it). With Q35_FIRST=1 `start` needs no model piece: stage the kit, .gpu-extra, the adapter, then `start`
+# shorten it; ROLLOUT_PAIR=1 adds the rollout with vLLM's default graphs and the recipe's, last). With Q35_FIRST=1 `start` needs no model piece: stage the kit, .gpu-extra, the adapter, then `start`
 # (carry .gpu-data), then m01..m20 while the Qwen3.5 part runs (the 1.5B part waits for the 20th piece).
 # The compilers' caches come back with `caches 0`, `caches 1`, ... (4 pieces a call); here `cache-pieces DIR` lays
 # them out as .gpu-cache/k01.., staged before a later lease's `start`, which restores them.
@@ -190,6 +190,16 @@ figures_15b() {  # the Sampler, the update's variants, the recipe's step, a stag
     # GRAPH_FIRST=1: the CUDA-graph variant first (what a short lease must not miss), vLLM's default second
     if [ "${GRAPH_FIRST:-0}" = 1 ]; then eval_graphs; eval_default; else eval_default; eval_graphs; fi
   fi
+  [ "${ROLLOUT_PAIR:-0}" = 1 ] && rollout_pair
+}
+
+rollout_pair() {  # ROLLOUT_PAIR=1: the engine alone and the asynchronous Sampler (8 x 8 x 20, seed 7) with vLLM's default CUDA
+  # graphs, then with the recipe's (2,048 tokens since 2026-12-02), one process each
+  local pair=(--phases ceiling runners --schedules async "${BENCH_OVERRIDES[@]}")
+  [ "$DRY" = 1 ] && pair=(--games 2 --dry --phases runners --schedules async "${BENCH_OVERRIDES[@]}")
+  timed rollout_default timeout $T_BENCH "$PY" bench/sampler_bench.py --recipe $RL --out "$W/results/rollout_default.json" "${pair[@]}" \
+    --data.engine.cudagraph_max_tokens=null
+  timed rollout_graphs timeout $T_BENCH "$PY" bench/sampler_bench.py --recipe $RL --out "$W/results/rollout_graphs.json" "${pair[@]}"
 }
 
 eval_default() {  # a brought-back adapter's 274-game evaluation alone (the Sampler's evaluate, as `alfrl eval`), a window of its

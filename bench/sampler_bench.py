@@ -7,7 +7,7 @@ Phases (figures into one JSON; each phase's errors are recorded, the others stil
 - ceiling: the engine alone (no environment): 8 groups x 8 sequences sharing a 1,000-token start,
   20 turns of exactly 40 sampled + 250 appended tokens, each turn submitted when the last came back.
 - runners: the same 8 training games x 8 trajectories (recipe's episode limits, same seeds) through the
-  old round-based schedule and the asynchronous one: seconds, generated tokens/s, engine busy share.
+  old round-based schedule and the asynchronous one (``--schedules``): seconds, generated tokens/s, engine busy share.
 - eval: the recipe's evaluation protocol on every evaluation game (the base model, or --adapter) -> --eval-out;
   --profile-steps START:COUNT profiles that window of engine steps (torch.profiler, then cProfile) -> OUT.profile.txt.
 - update: PPO updates on the asynchronous rollout's trajectories, one per UPDATE_VARIANTS entry (attention
@@ -335,6 +335,8 @@ def main() -> None:
     parser.add_argument("--eval-out", default=None)
     parser.add_argument("--phases", nargs="+", default=["ceiling", "runners", "eval", "update", "sync"])
     parser.add_argument("--games", type=int, default=8)
+    parser.add_argument("--schedules", nargs="+", default=["rounds", "async"], choices=["rounds", "async"],
+                        help="runners phase: which runners play the games (async alone halves the phase)")
     parser.add_argument("--adapter", default=None, help="eval phase: this adapter (a checkpoint folder or its adapter/) into the engine")
     parser.add_argument("--profile-steps", default=None, help="eval phase: START:COUNT engine steps profiled (torch.profiler, then cProfile)")
     parser.add_argument("--dry", action="store_true", help="CPU check with the recipe's HF engine (no vLLM phases)")
@@ -368,14 +370,15 @@ def main() -> None:
                 report["phases"]["ceiling"] = ceiling(sampler.engine)
             elif phase == "runners":
                 runs = {}
-                for schedule in ("rounds", "async"):
+                for schedule in args.schedules:
                     sampler.rollout_cfg = dataclasses.replace(dm.rollout, schedule=schedule)
                     result, seconds = timed(lambda: sampler.rollout(games, dm.group_size, seed=7))
                     runs[schedule] = rollout_figures(result, seconds)
                     async_result = result
                 sampler.rollout_cfg = dm.rollout
-                runs["async_over_rounds_speedup"] = runs["rounds"]["seconds"] / runs["async"]["seconds"]
-                if "ceiling" in report["phases"]:
+                if "rounds" in runs and "async" in runs:
+                    runs["async_over_rounds_speedup"] = runs["rounds"]["seconds"] / runs["async"]["seconds"]
+                if "ceiling" in report["phases"] and "async" in runs:
                     runs["async_over_ceiling_time"] = runs["async"]["seconds"] / report["phases"]["ceiling"]["seconds"]
                 report["phases"]["runners"] = runs
             elif phase == "eval":
