@@ -22,13 +22,10 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import inspect
-import logging
 import sys
 from dataclasses import dataclass
 
 import torch
-
-log = logging.getLogger("alfrl")
 
 KERNELS = ("auto", "fla", "torch")
 CHECK_TOLERANCE = 0.1
@@ -113,7 +110,7 @@ def relative_errors(fast, reference, sizes: dict[str, int], device, tokens: int 
     grad_out = rand(1, tokens, hv, dv)
 
     def run(fn, dtype):
-        leaves = {k: v.to(device=device, dtype=dtype if k not in ("g",) else torch.float32).requires_grad_(True)
+        leaves = {k: v.to(device=device, dtype=torch.float32 if k == "g" else dtype).requires_grad_(True)  # g is float32 in the model too
                   for k, v in inputs.items()}
         out, _ = fn(leaves["query"], leaves["key"], leaves["value"], g=leaves["g"], beta=leaves["beta"],
                     initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=True)
