@@ -31,6 +31,7 @@ from alfrl.ppo import LoRAConfig, MicroBatch, OptimizerConfig, PPOConfig, collat
 from alfrl.types import Sample
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
+MATMUL_PRECISIONS = ("highest", "high", "medium")
 log = logging.getLogger("alfrl")
 
 
@@ -49,6 +50,7 @@ class AlfrlPolicy(L.LightningModule):
         attn_implementation: str | None = "sdpa",
         gradient_checkpointing: bool = False,
         linear_attention_kernel: str = "auto",
+        float32_matmul_precision: str = "highest",
         init_adapter: str | None = None,
         lora: LoRAConfig = LoRAConfig(),
         optim: OptimizerConfig = OptimizerConfig(),
@@ -68,6 +70,9 @@ class AlfrlPolicy(L.LightningModule):
             linear_attention_kernel: what computes Gated DeltaNet layers (Qwen3.5) in training: ``auto``,
                 ``fla`` or ``torch`` (alfrl.linear_attention: flash-linear-attention refuses its gated backward
                 on Hopper with Triton < 3.7.1 unless checked against the PyTorch reference first).
+            float32_matmul_precision: torch's, set before each update: the LoRA weights are float32, so peft runs the
+                adapter's matmuls in float32 beside the bf16 base; ``high`` lets them use TF32 tensor cores
+                (10-bit mantissa, still finer than the bf16 base), ``highest`` keeps full float32. Process-wide.
             init_adapter: start from this LoRA adapter (a checkpoint folder, its adapter/ or trainer.ckpt,
                 e.g. an ``alfrl sft`` run's); null starts from B = 0.
             lora: the adapter (rank, alpha, dropout, target modules).
@@ -110,6 +115,8 @@ class AlfrlPolicy(L.LightningModule):
             out.append(f"{prefix}.model_name is empty: set a hub name or a local model folder")
         if args.get("dtype", "auto") not in DTYPES:
             out.append(f"{prefix}.dtype={args.get('dtype')!r}: choose one of {', '.join(DTYPES)}")
+        if args.get("float32_matmul_precision", "highest") not in MATMUL_PRECISIONS:
+            out.append(f"{prefix}.float32_matmul_precision={args.get('float32_matmul_precision')!r}: choose one of {', '.join(MATMUL_PRECISIONS)}")
         if args.get("linear_attention_kernel", "auto") not in KERNELS:
             out.append(f"{prefix}.linear_attention_kernel={args.get('linear_attention_kernel')!r}: choose one of {', '.join(KERNELS)}")
         for key, cls in (("lora", LoRAConfig), ("optim", OptimizerConfig), ("ppo", PPOConfig)):
@@ -158,8 +165,9 @@ class AlfrlPolicy(L.LightningModule):
     def prepare_training(self) -> None:
         """Before each update: train mode (from_pretrained leaves the base model in eval mode, Lightning keeps
         submodules' modes, and transformers recomputes nothing for gradient checkpointing in eval mode); before the
-        first, the linear-attention kernel (alfrl.linear_attention)."""
+        first, the linear-attention kernel (alfrl.linear_attention); the float32 matmul precision (the adapter's)."""
         self.model.train()
+        torch.set_float32_matmul_precision(self.hparams.get("float32_matmul_precision", "highest"))
         if self.linear_attention is None:
             from alfrl.linear_attention import select
 

@@ -10,9 +10,9 @@ Phases (figures into one JSON; each phase's errors are recorded, the others stil
   old round-based schedule and the asynchronous one (``--schedules``): seconds, generated tokens/s, engine busy share.
 - eval: the recipe's evaluation protocol on every evaluation game (the base model, or --adapter) -> --eval-out;
   --profile-steps START:COUNT profiles that window of engine steps (torch.profiler, then cProfile) -> OUT.profile.txt.
-- update: PPO updates on the asynchronous rollout's trajectories, one per UPDATE_VARIANTS entry (attention
-  sdpa vs sdpa_varlen, packed-row size, gradient checkpointing): seconds, peak memory and MFU (6N, and 8N
-  with the gradient-checkpoint recompute); the same packed row's log-probs under both attentions.
+- update: PPO updates on the asynchronous rollout's trajectories, one per UPDATE_VARIANTS entry (packed-row
+  size, gradient checkpointing, the LoRA's float32 matmul precision): seconds, peak memory and MFU (6N, and 8N
+  with the gradient-checkpoint recompute); the same packed row's log-probs under sdpa and sdpa_varlen.
 - sync: in the recipe's sync mode (run twice, ``--data.engine.weight_sync=lora`` then ``=merged``, for
   the side by side): decode speed of one batch with a non-zero adapter, the probe gap and response
   after 1 and 10 updates at lr 1e-6, and skipped syncs after an update at lr 1e-6 and at 1e-4.
@@ -108,11 +108,13 @@ def model_flops(policy) -> tuple[float, float]:
     return float(body), float(head)
 
 
-UPDATE_VARIANTS = (  # (name, attention, micro-batch tokens, gradient checkpointing), all on the same samples
-    ("sdpa_rows4096_checkpointed", "sdpa", 4096, True),  # the 1.5B recipes until 2026-12-01 (a packed row gets a T x T mask)
-    ("varlen_rows16384_checkpointed", "sdpa_varlen", 16384, True),
-    ("varlen_rows16384", "sdpa_varlen", 16384, False),
-    ("varlen_rows32768", "sdpa_varlen", 32768, False),
+UPDATE_VARIANTS = (  # (name, attention, micro-batch tokens, gradient checkpointing, float32 matmul precision), the same samples
+    ("varlen_rows16384", "sdpa_varlen", 16384, False, "highest"),  # the 1.5B recipes since 2026-12-01
+    ("varlen_rows16384_tf32", "sdpa_varlen", 16384, False, "high"),  # the LoRA's float32 matmuls on TF32 tensor cores
+    # checkpointing in effect since 2026-12-01 (before, nothing was recomputed): its cost, and the longer rows it allows
+    # (32,768-token rows ran out of memory without it, 2026-12-01)
+    ("varlen_rows16384_checkpointed", "sdpa_varlen", 16384, True, "highest"),
+    ("varlen_rows32768_checkpointed", "sdpa_varlen", 32768, True, "highest"),
 )
 
 
@@ -140,6 +142,7 @@ def update_phase(policy, samples, temperature: float, variants=UPDATE_VARIANTS) 
     tokens, trained = out["sequence_tokens"], out["trained_tokens"]
     ppo0, attn0 = policy.ppo, policy.hparams.attn_implementation
     ckpt0 = bool(policy.hparams.gradient_checkpointing)
+    precision0 = policy.hparams.get("float32_matmul_precision", "highest")
     policy.hparams.ppo = dataclasses.replace(ppo0, old_logprobs="sampler")
     try:  # the same packed row scored both ways: the new attention must give the old one's log-probs
         _set_checkpointing(policy, False)
@@ -157,11 +160,13 @@ def update_phase(policy, samples, temperature: float, variants=UPDATE_VARIANTS) 
     except Exception:  # noqa: BLE001 - recorded; the timings still run
         out["varlen_check"] = {"error": traceback.format_exc(limit=4)}
     optimizer = torch.optim.AdamW(policy.trainable_parameters(), lr=1e-6, betas=(0.9, 0.95))
-    for name, attn, rows, ckpt in (("warm-up", *variants[0][1:]), *variants):
-        run = {"variant": name, "attention": attn, "microbatch_tokens": rows, "gradient_checkpointing": ckpt}
+    for name, attn, rows, ckpt, precision in (("warm-up", *variants[0][1:]), *variants):
+        run = {"variant": name, "attention": attn, "microbatch_tokens": rows, "gradient_checkpointing": ckpt,
+               "float32_matmul_precision": precision}
         try:
             _set_attention(policy, attn)
             _set_checkpointing(policy, ckpt)
+            policy.hparams.float32_matmul_precision = precision  # set by the update itself
             policy.hparams.ppo = dataclasses.replace(policy.ppo, microbatch_tokens=rows)
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
@@ -179,6 +184,7 @@ def update_phase(policy, samples, temperature: float, variants=UPDATE_VARIANTS) 
         out["runs"].append(run)
     _set_attention(policy, attn0 or "sdpa")
     _set_checkpointing(policy, ckpt0)
+    policy.hparams.float32_matmul_precision = precision0
     policy.hparams.ppo = ppo0
     return out
 

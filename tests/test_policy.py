@@ -272,3 +272,20 @@ def test_an_adapter_brought_back_in_bf16_loads_and_a_partial_one_is_refused(poli
     save_file({k: v.contiguous() for k, v in partial.items()}, str(folder / "adapter_model.safetensors"))
     with pytest.raises(ValueError, match="lacks .* LoRA weights"):
         AlfrlPolicy(model_name=tiny_model_dir, dtype="float32", lora=LORA8).load_adapter(str(folder))
+
+
+def test_the_update_sets_the_float32_matmul_precision_of_the_recipe(random_model_dir):
+    # the LoRA weights are float32: peft runs the adapter's matmuls in float32 beside the bf16 base on the GPU
+    before = torch.get_float32_matmul_precision()
+    try:
+        policy = AlfrlPolicy(model_name=random_model_dir, dtype="float32", lora=LORA8, float32_matmul_precision="high")
+        policy.configure_model()
+        policy.prepare_training()
+        assert torch.get_float32_matmul_precision() == "high"
+        policy.hparams.float32_matmul_precision = "highest"
+        policy.prepare_training()
+        assert torch.get_float32_matmul_precision() == "highest"
+    finally:
+        torch.set_float32_matmul_precision(before)
+    problems = AlfrlPolicy.problems({"model_name": random_model_dir, "float32_matmul_precision": "tf32"})
+    assert problems == ["model.float32_matmul_precision='tf32': choose one of highest, high, medium"]
