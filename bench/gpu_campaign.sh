@@ -22,8 +22,9 @@
 # to the Sampler's benchmark (e.g. --data.engine.cudagraph_max_tokens=2048); FIT_STEPS=0 skips the two `alfrl fit` steps.
 # The seventh lease (2026-12-01) ran out during the Qwen3.5 update: with the second evaluation the lane needs more than
 # one lease; order what matters first (Q35_FIRST=1 runs the Qwen3.5 part first; GRAPH_TOKENS=0, FIT_STEPS=0, FIG_BENCH=0
-# shorten it; ROLLOUT_PAIR=1 adds the rollout with vLLM's default graphs and the recipe's, last). With Q35_FIRST=1 `start` needs no model piece: stage the kit, .gpu-extra, the adapter, then `start`
-# (carry .gpu-data), then m01..m20 while the Qwen3.5 part runs (the 1.5B part waits for the 20th piece).
+# shorten it; ROLLOUT_PAIR=1 adds the rollout with vLLM's default graphs and the recipe's, last). With Q35_FIRST=1
+# `start` needs no model piece: stage the kit, .gpu-extra, the adapter, then `start` (carry .gpu-data), then m01..m20
+# while the Qwen3.5 part runs (the 1.5B part waits for the 20th piece).
 # The compilers' caches come back with `caches 0`, `caches 1`, ... (4 pieces a call); here `cache-pieces DIR` lays
 # them out as .gpu-cache/k01.., staged before a later lease's `start`, which restores them.
 # An adapter brought back from an earlier lease (.gpu-adapter/p1, p2: pieces of a tar of a/ with the
