@@ -123,6 +123,9 @@ class VLLMEngine:
             seed=r.seed,
             logprobs=0,
             detokenize=False,
+            # a fresh object for each request, never reused: vLLM may copy it shallowly instead of deep-copying it for
+            # every request (0.126 s of cProfile's 4.1 s window for 222 requests in the 274-game evaluation, 2026-12-02)
+            skip_clone=True,
         )
 
     @staticmethod

@@ -123,3 +123,35 @@ def test_waking_the_vllm_engine_zeroes_its_kv_cache_and_puts_the_adapter_back():
     assert engine._zero_kv_cache() == raw.nbytes + attention.nbytes  # each storage once
     engine.wake_up()  # awake already: nothing happens
     assert calls == ["wake", ("off", 3), ("on", 3)]
+
+
+def test_each_vllm_request_gets_its_own_sampling_params_which_vllm_need_not_deep_copy(monkeypatch):
+    """vLLM deep-copies a request's SamplingParams unless told they are the request's alone (skip_clone)."""
+    import sys
+    from types import ModuleType, SimpleNamespace
+
+    from alfrl.engines import SamplingRequest
+    from alfrl.vllm_engine import VLLMEngine
+
+    made, added = [], []
+
+    class SamplingParams(SimpleNamespace):
+        def __init__(self, **kw):
+            super().__init__(**kw)
+            made.append(self)
+
+    vllm = ModuleType("vllm")
+    vllm.SamplingParams = SamplingParams
+    inputs = ModuleType("vllm.inputs")
+    inputs.TokensPrompt = dict
+    sp = ModuleType("vllm.sampling_params")
+    sp.RequestOutputKind = SimpleNamespace(FINAL_ONLY="final")
+    for name, mod in (("vllm", vllm), ("vllm.inputs", inputs), ("vllm.sampling_params", sp)):
+        monkeypatch.setitem(sys.modules, name, mod)
+    engine = object.__new__(VLLMEngine)
+    engine._submitted, engine._lora = 0, None
+    engine.llm = SimpleNamespace(llm_engine=SimpleNamespace(add_request=lambda rid, prompt, params, lora_request: added.append(params)))
+    req = SamplingRequest(prompt_ids=(1, 2, 3), max_new_tokens=8, temperature=1.0, top_p=1.0, stop_token_ids=(7,), seed=5, n=2)
+    engine.submit([req, req])
+    assert len(made) == 2 and added == made and made[0] is not made[1]
+    assert all(p.skip_clone and p.stop_token_ids == [7] for p in made) and made[0].stop_token_ids is not made[1].stop_token_ids
