@@ -46,6 +46,15 @@ def tiny_model_dir(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def qwen35_small_dir(tmp_path_factory) -> str:
+    """A random-weight checkpoint of Qwen3.5's structure (vision-language, Gated DeltaNet + full attention), small."""
+    from alfrl.shapes import write_random_model
+
+    out, _ = write_random_model("qwen3.5-small", tmp_path_factory.mktemp("q35") / "model")
+    return str(out)
+
+
+@pytest.fixture(scope="session")
 def tiny_tokenizer(tiny_model_dir):
     from transformers import AutoTokenizer
 

@@ -10,15 +10,8 @@ import torch
 from alfrl import linear_attention as la
 from alfrl.policy import AlfrlPolicy
 from alfrl.ppo import LoRAConfig
-from alfrl.shapes import write_random_model
 
 SIZES = {"key_heads": 2, "value_heads": 4, "key_dim": 16, "value_dim": 16}
-
-
-@pytest.fixture(scope="module")
-def small(tmp_path_factory):
-    out, _ = write_random_model("qwen3.5-small", tmp_path_factory.mktemp("q35") / "model")
-    return str(out)
 
 
 @pytest.fixture()
@@ -63,10 +56,10 @@ def hopper_with_old_triton(monkeypatch):
     return guard
 
 
-def test_auto_lifts_the_guard_only_for_a_kernel_that_matched_the_reference(small, modeling, monkeypatch):
+def test_auto_lifts_the_guard_only_for_a_kernel_that_matched_the_reference(qwen35_small_dir, modeling, monkeypatch):
     from alfrl.models import load_causal_lm
 
-    model = load_causal_lm(small, torch.float32, "sdpa")
+    model = load_causal_lm(qwen35_small_dir, torch.float32, "sdpa")
     guard = hopper_with_old_triton(monkeypatch)
     wrapper = getattr(modeling, la.FUNCTION)
     choice = la.select(model, "auto", torch.device("cuda"))
@@ -83,10 +76,10 @@ def test_auto_lifts_the_guard_only_for_a_kernel_that_matched_the_reference(small
     assert getattr(modeling, la.FUNCTION) is reference_of(modeling) and not hasattr(getattr(modeling, la.FUNCTION), "__wrapped__")
 
 
-def test_without_fla_or_cuda_the_reference_and_fla_asked_for_is_an_error(small, modeling, tiny_model_dir):
+def test_without_fla_or_cuda_the_reference_and_fla_asked_for_is_an_error(qwen35_small_dir, modeling, tiny_model_dir):
     from alfrl.models import load_causal_lm
 
-    model = load_causal_lm(small, torch.float32, "sdpa")
+    model = load_causal_lm(qwen35_small_dir, torch.float32, "sdpa")
     with pytest.raises(la.LinearAttentionKernelError, match="fla, but .*: install flash-linear-attention"):
         la.select(model, "fla", torch.device("cpu"))
     choice = la.select(model, "auto", torch.device("cpu"))
@@ -96,11 +89,11 @@ def test_without_fla_or_cuda_the_reference_and_fla_asked_for_is_an_error(small, 
         la.select(model, "triton", torch.device("cpu"))
 
 
-def test_the_policy_chooses_before_its_first_update_and_the_recipe_key_is_checked(small, modeling):
-    policy = AlfrlPolicy(model_name=small, dtype="float32", lora=LoRAConfig(rank=4, alpha=8), linear_attention_kernel="torch")
+def test_the_policy_chooses_before_its_first_update_and_the_recipe_key_is_checked(qwen35_small_dir, modeling):
+    policy = AlfrlPolicy(model_name=qwen35_small_dir, dtype="float32", lora=LoRAConfig(rank=4, alpha=8), linear_attention_kernel="torch")
     policy.configure_model()
     assert policy.linear_attention is None  # scoring alone never needs the choice
     policy.prepare_training()
     assert policy.linear_attention.kernel == "torch" and policy.model.training
-    problems = AlfrlPolicy.problems({"model_name": small, "linear_attention_kernel": "triton"})
+    problems = AlfrlPolicy.problems({"model_name": qwen35_small_dir, "linear_attention_kernel": "triton"})
     assert problems == ["model.linear_attention_kernel='triton': choose one of auto, fla, torch"]

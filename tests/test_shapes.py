@@ -1,22 +1,15 @@
 """Qwen3.5's structure on the CPU: a vision-language checkpoint's text stack trains, and its names reach vLLM's loaders."""
 
-import pytest
 import torch
 from safetensors.torch import load_file
 
 from alfrl.models import has_linear_attention, is_vision_language, linear_module_names, load_causal_lm, read_config
 from alfrl.policy import AlfrlPolicy
 from alfrl.ppo import LoRAConfig
-from alfrl.shapes import build_config, write_random_model
+from alfrl.shapes import build_config
 
 GDN = {"in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b", "out_proj"}
 ATTENTION_AND_MLP = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
-
-
-@pytest.fixture(scope="module")
-def small(tmp_path_factory):
-    out, _ = write_random_model("qwen3.5-small", tmp_path_factory.mktemp("q35") / "model")
-    return str(out)
 
 
 def test_the_4b_shape_is_the_reference_structure():
@@ -31,30 +24,30 @@ def test_the_4b_shape_is_the_reference_structure():
     assert text.vocab_size == 248320 and config.tie_word_embeddings
 
 
-def test_the_text_stack_of_a_vision_language_checkpoint_loads_every_weight(small):
-    assert is_vision_language(read_config(small))
-    model = load_causal_lm(small, torch.float32, "sdpa")
+def test_the_text_stack_of_a_vision_language_checkpoint_loads_every_weight(qwen35_small_dir):
+    assert is_vision_language(read_config(qwen35_small_dir))
+    model = load_causal_lm(qwen35_small_dir, torch.float32, "sdpa")
     assert type(model).__name__ == "Qwen3_5ForCausalLM" and has_linear_attention(model.config)
-    checkpoint = load_file(f"{small}/model.safetensors")
+    checkpoint = load_file(f"{qwen35_small_dir}/model.safetensors")
     for name, tensor in model.state_dict().items():
         if name == "lm_head.weight":
             assert torch.equal(tensor, checkpoint["model.language_model.embed_tokens.weight"])  # tied
         else:
             assert torch.equal(tensor, checkpoint["model.language_model." + name.removeprefix("model.")]), name
-    assert GDN | ATTENTION_AND_MLP <= linear_module_names(small)
+    assert GDN | ATTENTION_AND_MLP <= linear_module_names(qwen35_small_dir)
 
 
-def test_lora_targets_every_linear_of_both_layer_kinds_and_names_map_to_the_checkpoint(small):
+def test_lora_targets_every_linear_of_both_layer_kinds_and_names_map_to_the_checkpoint(qwen35_small_dir):
     from alfrl.vllm_engine import VLLMEngine
 
-    policy = AlfrlPolicy(model_name=small, dtype="float32", lora=LoRAConfig(rank=4, alpha=8))
+    policy = AlfrlPolicy(model_name=qwen35_small_dir, dtype="float32", lora=LoRAConfig(rank=4, alpha=8))
     policy.configure_model()
     assert not policy.packable  # linear attention carries state along a row
     merged = dict(policy.merged_weights())
     assert {name.split(".")[-2] for name in merged} == GDN | ATTENTION_AND_MLP
     engine = VLLMEngine.__new__(VLLMEngine)  # only its name mapping, no GPU
     engine.vision_language = True
-    checkpoint = set(load_file(f"{small}/model.safetensors"))
+    checkpoint = set(load_file(f"{qwen35_small_dir}/model.safetensors"))
     assert {engine.checkpoint_name(n) for n in merged} <= checkpoint  # what vLLM's loader reads (model.language_model.*)
     adapter = policy.adapter_weights()
     assert len(adapter.modules) == len(merged)
@@ -63,18 +56,18 @@ def test_lora_targets_every_linear_of_both_layer_kinds_and_names_map_to_the_chec
         assert module + ".weight" in checkpoint, key
 
 
-def test_the_engine_settings_of_a_gdn_checkpoint_pick_a_prefill_kernel_that_is_installed(small, tiny_model_dir, monkeypatch):
+def test_the_engine_settings_of_a_gdn_checkpoint_pick_a_prefill_kernel_that_is_installed(qwen35_small_dir, tiny_model_dir, monkeypatch):
     import sys
     import types
 
     from alfrl import sampler
     from alfrl.sampler import EngineConfig, auto_gdn_prefill_backend
 
-    extra = EngineConfig(kind="vllm").vllm_extra(small)
+    extra = EngineConfig(kind="vllm").vllm_extra(qwen35_small_dir)
     assert extra["language_model_only"] is True
     # no GPU here: FlashInfer's kernel for this GPU cannot be the one, so triton (what the offline kit needs on the H200)
     assert extra["additional_config"] == {"gdn_prefill_backend": "triton"}
-    assert EngineConfig(kind="vllm", gdn_prefill_backend="flashinfer").vllm_extra(small)["additional_config"] == {"gdn_prefill_backend": "flashinfer"}
+    assert EngineConfig(kind="vllm", gdn_prefill_backend="flashinfer").vllm_extra(qwen35_small_dir)["additional_config"] == {"gdn_prefill_backend": "flashinfer"}
     assert "additional_config" not in EngineConfig(kind="vllm").vllm_extra(tiny_model_dir)  # no linear attention: vLLM's own choice
     # a Hopper GPU: FlashInfer only when its SM90 kernel imported (vLLM would choose it either way)
     monkeypatch.setattr(sampler.torch.cuda, "is_available", lambda: True)
