@@ -12,7 +12,8 @@ Phases (figures into one JSON; each phase's errors are recorded, the others stil
   --profile-steps START:COUNT profiles that window of engine steps (torch.profiler, then cProfile) -> OUT.profile.txt.
 - update: PPO updates on the asynchronous rollout's trajectories, one per UPDATE_VARIANTS entry (packed-row
   size, gradient checkpointing, the LoRA's float32 matmul precision): seconds, peak memory and MFU (6N, and 8N
-  with the gradient-checkpoint recompute); the same packed row's log-probs under sdpa and sdpa_varlen.
+  with the gradient-checkpoint recompute); the same packed row's log-probs under sdpa and sdpa_varlen;
+  ``--profile-update``: the first variant once more under torch.profiler -> OUT.update_profile.txt.
 - sync: in the recipe's sync mode (run twice, ``--data.engine.weight_sync=lora`` then ``=merged``, for
   the side by side): decode speed of one batch with a non-zero adapter, the probe gap and response
   after 1 and 10 updates at lr 1e-6, and skipped syncs after an update at lr 1e-6 and at 1e-4.
@@ -133,7 +134,7 @@ def _set_checkpointing(policy, on: bool) -> None:
     set_gradient_checkpointing(causal_lm_of(policy.model), on)
 
 
-def update_phase(policy, samples, temperature: float, variants=UPDATE_VARIANTS) -> dict:
+def update_phase(policy, samples, temperature: float, variants=UPDATE_VARIANTS, profile_path: str | None = None) -> dict:
     """One warm-up update, then one PPO update per variant (attention, row size, checkpointing) on the same samples,
     the sampler's log-probs as old ones (the recipes'); and the first row's log-probs under sdpa and sdpa_varlen."""
     body, head = model_flops(policy)
@@ -182,11 +183,40 @@ def update_phase(policy, samples, temperature: float, variants=UPDATE_VARIANTS) 
         except Exception:  # noqa: BLE001 - an out-of-memory variant is a figure too
             run["error"] = traceback.format_exc(limit=4)
         out["runs"].append(run)
+    if profile_path:  # the first variant once more under torch.profiler: where an update's time goes
+        try:
+            from torch.profiler import ProfilerActivity, profile
+
+            name, attn, rows, ckpt, precision = variants[0]
+            _set_attention(policy, attn)
+            _set_checkpointing(policy, ckpt)
+            policy.hparams.float32_matmul_precision = precision
+            policy.hparams.ppo = dataclasses.replace(policy.ppo, microbatch_tokens=rows)
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+            with profile(activities=activities) as prof:
+                _, seconds = timed(lambda: policy.update(samples, optimizer=optimizer, temperature=temperature))
+            out["profile"] = {"variant": name, "seconds": seconds, **profile_tables(prof, seconds, profile_path, f"update ({name})")}
+        except Exception:  # noqa: BLE001 - recorded; the other figures stand
+            out["profile"] = {"error": traceback.format_exc(limit=4)}
     _set_attention(policy, attn0 or "sdpa")
     _set_checkpointing(policy, ckpt0)
     policy.hparams.float32_matmul_precision = precision0
     policy.hparams.ppo = ppo0
     return out
+
+
+def profile_tables(prof, wall: float, path: str, what: str, mode: str = "w") -> dict:
+    """Kernel and operator tables of a finished torch.profiler run into ``path``; its device time and busy share."""
+    events = prof.key_averages()
+    device_us = sum(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0)) for e in events)
+    with open(path, mode) as f:
+        f.write(f"{what}: wall {wall:.3f} s, device kernels {device_us / 1e6:.3f} s\n\n")
+        for key in ("self_device_time_total", "self_cpu_time_total", "cpu_time_total"):
+            try:
+                f.write(f"== sorted by {key}\n" + events.table(sort_by=key, row_limit=35) + "\n")
+            except Exception as e:  # noqa: BLE001 - a key this torch does not know
+                f.write(f"== {key}: {e}\n")
+    return {"device_kernel_seconds": device_us / 1e6, "device_busy_share": device_us / 1e6 / wall}
 
 
 def profile_window(engine, start: int, count: int, path: str):
@@ -238,17 +268,8 @@ def profile_window(engine, start: int, count: int, path: str):
 
         engine.step = real
         if "torch_profiler_wall_seconds" in figures:
-            events = state["prof"].key_averages()
-            device_us = sum(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0)) for e in events)
-            wall = figures["torch_profiler_wall_seconds"]
-            figures.update({"device_kernel_seconds": device_us / 1e6, "device_busy_share": device_us / 1e6 / wall})
-            with open(path, "w") as f:
-                f.write(f"engine steps {start}..{start + count - 1}: wall {wall:.3f} s, device kernels {device_us / 1e6:.3f} s\n\n")
-                for key in ("self_device_time_total", "self_cpu_time_total", "cpu_time_total"):
-                    try:
-                        f.write(f"== sorted by {key}\n" + events.table(sort_by=key, row_limit=35) + "\n")
-                    except Exception as e:  # noqa: BLE001 - a key this torch does not know
-                        f.write(f"== {key}: {e}\n")
+            figures.update(profile_tables(state["prof"], figures["torch_profiler_wall_seconds"], path,
+                                          f"engine steps {start}..{start + count - 1}"))
         if "cprofile_steps" in figures:
             text = io.StringIO()
             stats = pstats.Stats(state["cp"], stream=text)
@@ -345,6 +366,7 @@ def main() -> None:
                         help="runners phase: which runners play the games (async alone halves the phase)")
     parser.add_argument("--adapter", default=None, help="eval phase: this adapter (a checkpoint folder or its adapter/) into the engine")
     parser.add_argument("--profile-steps", default=None, help="eval phase: START:COUNT engine steps profiled (torch.profiler, then cProfile)")
+    parser.add_argument("--profile-update", action="store_true", help="update phase: the first variant once more under torch.profiler -> OUT.update_profile.txt")
     parser.add_argument("--dry", action="store_true", help="CPU check with the recipe's HF engine (no vLLM phases)")
     parser.add_argument("overrides", nargs="*", help="recipe overrides, e.g. --data.engine.gpu_memory_utilization=0.5")
     args = parser.parse_args()
@@ -411,7 +433,8 @@ def main() -> None:
                 for i, s in enumerate(samples):  # a non-zero advantage everywhere: every token gets a gradient
                     s.advantages_T[s.loss_mask_T] = 1.0 if i % 2 == 0 else -1.0
                 if phase == "update":
-                    report["phases"]["update"] = update_phase(policy, samples, dm.rollout.temperature)
+                    report["phases"]["update"] = update_phase(policy, samples, dm.rollout.temperature,
+                                                              profile_path=args.out + ".update_profile.txt" if args.profile_update else None)
                 else:  # 8 trajectories are enough to move the weights, and keep 12 updates short
                     report["phases"]["sync"] = {}
                     sync_phase(report["phases"]["sync"], sampler, policy, samples[:8], dm.rollout.temperature, args.dry)
