@@ -113,12 +113,10 @@ class AlfrlPolicy(L.LightningModule):
         out = []
         if not args.get("model_name"):
             out.append(f"{prefix}.model_name is empty: set a hub name or a local model folder")
-        if args.get("dtype", "auto") not in DTYPES:
-            out.append(f"{prefix}.dtype={args.get('dtype')!r}: choose one of {', '.join(DTYPES)}")
-        if args.get("float32_matmul_precision", "highest") not in MATMUL_PRECISIONS:
-            out.append(f"{prefix}.float32_matmul_precision={args.get('float32_matmul_precision')!r}: choose one of {', '.join(MATMUL_PRECISIONS)}")
-        if args.get("linear_attention_kernel", "auto") not in KERNELS:
-            out.append(f"{prefix}.linear_attention_kernel={args.get('linear_attention_kernel')!r}: choose one of {', '.join(KERNELS)}")
+        for key, default, allowed in (("dtype", "auto", DTYPES), ("float32_matmul_precision", "highest", MATMUL_PRECISIONS),
+                                      ("linear_attention_kernel", "auto", KERNELS)):
+            if args.get(key, default) not in allowed:
+                out.append(f"{prefix}.{key}={args.get(key)!r}: choose one of {', '.join(allowed)}")
         for key, cls in (("lora", LoRAConfig), ("optim", OptimizerConfig), ("ppo", PPOConfig)):
             try:
                 out.extend(_as(cls, args.get(key, cls())).problems(f"{prefix}.{key}"))

@@ -203,22 +203,25 @@ rollout_pair() {  # ROLLOUT_PAIR=1: the engine alone and the asynchronous Sample
   timed rollout_graphs timeout $T_BENCH "$PY" bench/sampler_bench.py --recipe $RL --out "$W/results/rollout_graphs.json" "${pair[@]}"
 }
 
-eval_default() {  # a brought-back adapter's 274-game evaluation alone (the Sampler's evaluate, as `alfrl eval`), a window of its
-  # engine steps profiled (torch.profiler, then cProfile): where an engine step's time goes; with vLLM's default CUDA graphs
-  # (the 1.5B recipes say 2,048 since 2026-12-02)
-  timed eval_adapter timeout $T_EVAL "$PY" bench/sampler_bench.py --recipe $RL --out "$W/results/eval_adapter.json" \
-    --eval-out "$RUN/adapter_eval.jsonl" --phases eval --adapter "$RUN/adapter/a" --profile-steps "${PROFILE_STEPS:-$PROFILE_DEFAULT}" "${EVAL_BENCH[@]}" \
-    --data.engine.cudagraph_max_tokens=null
+eval_default() {  # a brought-back adapter's 274-game evaluation alone with vLLM's default CUDA graphs (the 1.5B recipes say
+  # 2,048 since 2026-12-02)
+  adapter_eval eval_adapter --data.engine.cudagraph_max_tokens=null
 }
 
 eval_graphs() {  # the same evaluation with engine steps of up to GRAPH_TOKENS tokens replayed as CUDA graphs (vLLM's default:
-  # 512; 2026-12-01: most evaluation steps were larger and ran op by op, the GPU busy 21% of the time); 0 skips it
-  [ "${GRAPH_TOKENS:-2048}" -gt 0 ] || return 0
-  timed eval_adapter_graphs timeout $T_EVAL "$PY" bench/sampler_bench.py --recipe $RL \
-    --out "$W/results/eval_adapter_graphs.json" --eval-out "$RUN/adapter_eval_graphs.jsonl" --phases eval --adapter "$RUN/adapter/a" \
-    --profile-steps "${PROFILE_STEPS:-$PROFILE_DEFAULT}" "${EVAL_BENCH[@]}" "--data.engine.cudagraph_max_tokens=${GRAPH_TOKENS:-2048}" ${EVAL_EXTRA:-}
+  # 512; 2026-12-01: most evaluation steps were larger and ran op by op, the GPU busy 21% of the time); 0 skips it.
   # EVAL_EXTRA: more overrides for this one, e.g. --data.engine.max_num_batched_tokens=2048 (no step larger than its graphs:
   # 2026-12-02, 12 of the 40 profiled steps still ran op by op with graphs up to 2,048 tokens)
+  [ "${GRAPH_TOKENS:-2048}" -gt 0 ] || return 0
+  adapter_eval eval_adapter_graphs "--data.engine.cudagraph_max_tokens=${GRAPH_TOKENS:-2048}" ${EVAL_EXTRA:-}
+}
+
+adapter_eval() {  # adapter_eval NAME OVERRIDES...: the staged adapter's 274-game evaluation (the Sampler's evaluate, as `alfrl
+  # eval`) alone, a window of its engine steps profiled (torch.profiler, then cProfile): where an engine step's time goes
+  local name=$1; shift
+  timed "$name" timeout $T_EVAL "$PY" bench/sampler_bench.py --recipe $RL --out "$W/results/$name.json" \
+    --eval-out "$RUN/${name/eval_adapter/adapter_eval}.jsonl" --phases eval --adapter "$RUN/adapter/a" \
+    --profile-steps "${PROFILE_STEPS:-$PROFILE_DEFAULT}" "${EVAL_BENCH[@]}" "$@"
 }
 
 q35_figures() {  # the reference recipe on the random Qwen3.5-4B-structure checkpoint: one update, then its evaluation

@@ -134,6 +134,14 @@ def _set_checkpointing(policy, on: bool) -> None:
     set_gradient_checkpointing(causal_lm_of(policy.model), on)
 
 
+def _apply_variant(policy, attn: str, rows: int, ckpt: bool, precision: str) -> None:
+    """One UPDATE_VARIANTS entry's settings on the policy (the precision is set by the update itself)."""
+    _set_attention(policy, attn)
+    _set_checkpointing(policy, ckpt)
+    policy.hparams.float32_matmul_precision = precision
+    policy.hparams.ppo = dataclasses.replace(policy.ppo, microbatch_tokens=rows)
+
+
 def update_phase(policy, samples, temperature: float, variants=UPDATE_VARIANTS, profile_path: str | None = None) -> dict:
     """One warm-up update, then one PPO update per variant (attention, row size, checkpointing) on the same samples,
     the sampler's log-probs as old ones (the recipes'); and the first row's log-probs under sdpa and sdpa_varlen."""
@@ -165,10 +173,7 @@ def update_phase(policy, samples, temperature: float, variants=UPDATE_VARIANTS, 
         run = {"variant": name, "attention": attn, "microbatch_tokens": rows, "gradient_checkpointing": ckpt,
                "float32_matmul_precision": precision}
         try:
-            _set_attention(policy, attn)
-            _set_checkpointing(policy, ckpt)
-            policy.hparams.float32_matmul_precision = precision  # set by the update itself
-            policy.hparams.ppo = dataclasses.replace(policy.ppo, microbatch_tokens=rows)
+            _apply_variant(policy, attn, rows, ckpt, precision)
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
                 torch.cuda.synchronize()
@@ -187,11 +192,8 @@ def update_phase(policy, samples, temperature: float, variants=UPDATE_VARIANTS, 
         try:
             from torch.profiler import ProfilerActivity, profile
 
-            name, attn, rows, ckpt, precision = variants[0]
-            _set_attention(policy, attn)
-            _set_checkpointing(policy, ckpt)
-            policy.hparams.float32_matmul_precision = precision
-            policy.hparams.ppo = dataclasses.replace(policy.ppo, microbatch_tokens=rows)
+            name, *settings = variants[0]
+            _apply_variant(policy, *settings)
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
             with profile(activities=activities) as prof:
                 _, seconds = timed(lambda: policy.update(samples, optimizer=optimizer, temperature=temperature))
