@@ -48,6 +48,10 @@ class WeightSyncError(RuntimeError):
     """The engine does not serve the trainer's weights after a sync."""
 
 
+class NonFiniteProbeError(WeightSyncError):
+    """The engine or the trainer scored the probe as NaN or infinite: it computes garbage, synced or not."""
+
+
 def _mean_abs(xs: list[float]) -> float:
     return sum(abs(x) for x in xs) / max(len(xs), 1)
 
@@ -107,7 +111,7 @@ class WeightSync:
         for who, scores in ((f"{self.engine.name} engine before the push", before), (f"{self.engine.name} engine", after), ("trainer", trainer)):
             bad = 0 if scores is None else sum(not math.isfinite(x) for x in scores)
             if bad:
-                raise WeightSyncError(
+                raise NonFiniteProbeError(
                     f"after syncing weight version {policy.weight_version}, {bad} of the {who}'s {len(scores)} probe log-probs are "
                     "not finite: it computes garbage (a NaN comparison would pass every other check, so this stops here)"
                 )
@@ -148,10 +152,14 @@ class WeightSync:
     def canary(self, policy) -> dict:
         """A sync that skips the push, tried on a copy of this sync's state (this one is left as it was):
         ``sync/canary_caught`` 1.0 when the checks raised, else 0.0 with the trainer's probe change since
-        the last sync (0 when the update did not move the probe: then there is nothing to catch)."""
+        the last sync (0 when the update did not move the probe: then there is nothing to catch). Non-finite
+        log-probs are raised, not counted as caught: they say the engine computes garbage, not that a check
+        noticed the missing push (the H200 run of 2026-12-02 had its canary "caught" that way)."""
         trial = copy.copy(self)
         try:
             metrics = trial.sync(policy, push=False)
+        except NonFiniteProbeError:
+            raise
         except WeightSyncError as e:
             return {"sync/canary_caught": 1.0, "sync/canary_message": str(e)}
         change = metrics.get("sync/trainer_change", 0.0)

@@ -10,6 +10,7 @@ and the trainer's text-stack names (``model.layers.*``) are renamed to the check
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterable
 
@@ -18,6 +19,35 @@ import torch
 from alfrl.engines import AdapterWeights, Completion, EngineCounters, EngineError, SamplingRequest, counters_from_metrics
 
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+KEPT_TAG = "weights"
+"""The tag of vLLM's sleep-mode allocations that level-1 sleep copies to the CPU and back (the rest is dropped)."""
+
+log = logging.getLogger("alfrl")
+
+
+def keep_across_sleep(allocations: dict, kv_ranges: list[tuple[int, int]]) -> int:
+    """Tag every sleep-mode allocation that holds no KV-cache page as kept by level-1 sleep; returns the bytes so kept.
+
+    ``allocations`` is vLLM's ``CuMemAllocator.pointer_to_data`` (address -> data with ``.tag`` and ``.handle``,
+    the handle's second item its size), ``kv_ranges`` the (address, bytes) of the KV cache's storages. Level-1
+    sleep keeps only the allocations tagged ``weights``; everything vLLM allocated while building its KV cache
+    is tagged ``kv_cache`` and comes back at wake-up as whatever the memory then holds. That includes, beside
+    the cache itself, the buffers built with it: attention metadata, and for a model whose cache blocks are
+    not vLLM's default size (Qwen3.5: 272 tokens, to fit the linear-attention state) the persistent input
+    batch. On the H200 (2026-12-02) the random Qwen3.5-4B scored 388 of 389 probe tokens as NaN right after a
+    wake-up although its KV cache had been zeroed; the Qwen2.5 models, whose input batch vLLM builds before the
+    cache (one group of its default block size), never did. These buffers are the suspected cause (read in
+    vLLM 0.26's source, not yet confirmed on a GPU). Kept, they come back as they were; the cache pages are
+    zeroed at wake-up. A segment that holds a cache page is never kept (it would copy the whole cache).
+    """
+    kept = 0
+    for address, data in allocations.items():
+        size = data.handle[1]
+        if data.tag == KEPT_TAG or any(address < start + n and start < address + size for start, n in kv_ranges):
+            continue
+        data.tag = KEPT_TAG
+        kept += size
+    return kept
 
 
 class VLLMEngine:
@@ -65,6 +95,7 @@ class VLLMEngine:
         self._submitted = 0
         self.sleep_freed_gib: float | None = None
         """GPU memory the last sleep handed back (weights offloaded, KV cache dropped)."""
+        self._kept_bytes = 0
         self.lora_enabled = lora_rank is not None
         kwargs = dict(extra or {})
         self.vision_language = bool(kwargs.get("language_model_only"))
@@ -253,6 +284,13 @@ class VLLMEngine:
 
     def sleep(self) -> None:
         if self.sleep_mode and not self._asleep:
+            from vllm.device_allocator.cumem import CuMemAllocator
+
+            kept = keep_across_sleep(CuMemAllocator.get_instance().pointer_to_data, self._kv_cache_ranges())
+            if kept != self._kept_bytes:
+                self._kept_bytes = kept
+                log.info("vLLM sleep: %.1f MiB of engine buffers allocated beside the KV cache are backed up with the weights",
+                         kept / 2**20)
             free = torch.cuda.mem_get_info()[0]
             self.llm.sleep(level=1)
             self._asleep = True
@@ -268,30 +306,39 @@ class VLLMEngine:
                 manager.deactivate_adapter(self._lora.lora_int_id)
                 manager.activate_adapter(self._lora.lora_int_id)
 
-    @torch.no_grad()
-    def _zero_kv_cache(self) -> int:
-        """Zero the KV cache (and the linear-attention state kept with it) after a wake-up; returns the bytes zeroed.
-
-        vLLM allocates the cache zeroed at start and, waking from sleep level 1, maps fresh memory back
-        without zeroing it (vLLM 0.26 zeroes it only for fp8 caches). On the H200 (2026-12-01) the first
-        probe after a wake-up of the random Qwen3.5-4B gave non-finite log-probs, the ones after the
-        next push finite; the cause was not isolated, and a zeroed cache is the state the engine started in.
-        """
-        seen, total = set(), 0
+    def _kv_cache_storages(self) -> list:
+        """The distinct storages of the runner's KV cache tensors (a linear-attention layer's states are views of one)."""
+        seen, storages = set(), []
 
         def walk(x) -> None:
-            nonlocal total
             if isinstance(x, torch.Tensor):
                 storage = x.untyped_storage()
                 if storage.data_ptr() not in seen:
                     seen.add(storage.data_ptr())
-                    torch.empty(0, dtype=torch.uint8, device=x.device).set_(storage).zero_()
-                    total += storage.nbytes()
+                    storages.append(storage)
             elif isinstance(x, (list, tuple)):
                 for y in x:
                     walk(y)
 
         walk(getattr(self._runner(), "kv_caches", []))
+        return storages
+
+    def _kv_cache_ranges(self) -> list[tuple[int, int]]:
+        return [(s.data_ptr(), s.nbytes()) for s in self._kv_cache_storages()]
+
+    @torch.no_grad()
+    def _zero_kv_cache(self) -> int:
+        """Zero the KV cache (and the linear-attention state kept with it) after a wake-up; returns the bytes zeroed.
+
+        vLLM allocates the cache zeroed at start and, waking from sleep level 1, maps fresh memory back
+        without zeroing it (vLLM 0.26 zeroes it only for fp8 caches): a zeroed cache is the state the engine
+        started in. (On the H200, 2026-12-02, zeroing it alone did not stop the random Qwen3.5-4B's NaN probe
+        after a wake-up; see ``keep_across_sleep`` for the buffers beside it.)
+        """
+        total = 0
+        for storage in self._kv_cache_storages():
+            torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage).zero_()
+            total += storage.nbytes()
         return total
 
     def close(self) -> None:

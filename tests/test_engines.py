@@ -125,6 +125,23 @@ def test_waking_the_vllm_engine_zeroes_its_kv_cache_and_puts_the_adapter_back():
     assert calls == ["wake", ("off", 3), ("on", 3)]
 
 
+def test_sleep_keeps_every_engine_buffer_but_the_kv_cache_pages():
+    """Level-1 sleep keeps only allocations tagged `weights`; the rest of what vLLM built with its cache is kept too."""
+    from types import SimpleNamespace
+
+    from alfrl.vllm_engine import keep_across_sleep
+
+    def alloc(tag, size):
+        return SimpleNamespace(tag=tag, handle=(0, size, None, None))
+
+    allocations = {0: alloc("weights", 100), 1000: alloc("kv_cache", 50), 2000: alloc("kv_cache", 500),
+                   3000: alloc("kv_cache", 64), 4000: alloc("default", 8)}
+    kv = [(2000, 200), (2200, 300), (3032, 16)]  # two cache tensors in one segment; one inside another segment
+    assert keep_across_sleep(allocations, kv) == 50 + 8
+    assert [allocations[a].tag for a in sorted(allocations)] == ["weights", "weights", "kv_cache", "kv_cache", "weights"]
+    assert keep_across_sleep(allocations, kv) == 0  # kept already
+
+
 def test_each_vllm_request_gets_its_own_sampling_params_which_vllm_need_not_deep_copy(monkeypatch):
     """vLLM deep-copies a request's SamplingParams unless told they are the request's alone (skip_clone)."""
     import sys

@@ -46,6 +46,20 @@ def test_the_check_accepts_the_reference_in_bf16_and_catches_a_backward_that_is_
     assert wrong["output"] <= la.CHECK_TOLERANCE / 2 and wrong["key"] > la.CHECK_TOLERANCE
 
 
+def test_the_check_gives_q_and_k_at_the_value_heads_count_which_every_reference_takes(modeling):
+    """transformers 5.17's reference needs q and k at the value heads' count (on the H200 it raised otherwise)."""
+    ref = reference_of(modeling)
+    shapes = []
+
+    def equal_heads_only(query, key, value, **kw):
+        shapes.append((query.shape[2], key.shape[2], value.shape[2]))
+        assert query.shape[2] == key.shape[2] == value.shape[2], "a 5.17-style reference"
+        return ref(query, key, value, **kw)
+
+    errors = la.relative_errors(equal_heads_only, equal_heads_only, SIZES, torch.device("cpu"), tokens=64)
+    assert shapes == [(4, 4, 4)] * 2 and max(errors.values()) <= la.CHECK_TOLERANCE / 2
+
+
 def hopper_with_old_triton(monkeypatch):
     """FLA installed, its #640 guard refusing (Hopper, Triton 3.6); the check itself run on the CPU."""
     guard = SimpleNamespace(IS_NVIDIA_HOPPER=True, TRITON_ABOVE_3_4_0=True, TRITON_ABOVE_3_7_1=False)

@@ -9,7 +9,7 @@ from alfrl.engines import AdapterWeights, EngineError, HFEngine, SamplingRequest
 from alfrl.policy import AlfrlPolicy
 from alfrl.ppo import LoRAConfig, PPOConfig
 from alfrl.types import TokenSequence
-from alfrl.sync import WeightSync, WeightSyncError
+from alfrl.sync import NonFiniteProbeError, WeightSync, WeightSyncError
 
 
 @pytest.fixture()
@@ -144,7 +144,9 @@ def test_non_finite_log_probs_stop_the_sync_instead_of_passing_every_comparison(
     _train(policy, 7, scale=0.01)
     score = engine.score
     engine.score = lambda ids: score(ids)[:-1] + [float("nan")]
-    with pytest.raises(WeightSyncError, match="not finite"):
+    with pytest.raises(NonFiniteProbeError, match="not finite"):
+        sync.canary(policy)  # garbage is not a canary caught
+    with pytest.raises(NonFiniteProbeError, match="not finite"):
         sync.sync(policy)
 
 
