@@ -33,22 +33,26 @@ QWEN35_SMALL_VISION = dict(depth=2, hidden_size=32, intermediate_size=64, num_he
 SHAPES = ("qwen3-4b", "qwen3.5-4b", "qwen3.5-small")
 
 
-def build_config(shape: str, tokenizer):
-    """The transformers config of ``shape`` with the tokenizer's special ids."""
+def build_config(shape: str, tokenizer, layers: int | None = None):
+    """The transformers config of ``shape`` with the tokenizer's special ids; ``layers`` keeps only that many
+    (text) layers, every other size as the shape's (quick GPU checks of the real kernels)."""
     special = dict(eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"), pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
+    if layers is not None and layers < 1:
+        raise ValueError(f"--layers {layers}: give at least 1 (or leave it out for the shape's own count)")
+    depth = {} if layers is None else {"num_hidden_layers": layers}
     if shape == "qwen3-4b":
         from transformers import Qwen3Config
 
-        return Qwen3Config(**QWEN3_4B, **special)
+        return Qwen3Config(**{**QWEN3_4B, **depth}, **special)
     if shape in ("qwen3.5-4b", "qwen3.5-small"):
         from transformers import Qwen3_5Config
 
         text, vision = (QWEN35_4B_TEXT, QWEN35_4B_VISION) if shape == "qwen3.5-4b" else (QWEN35_SMALL_TEXT, QWEN35_SMALL_VISION)
-        return Qwen3_5Config(text_config={**text, **special}, vision_config=vision, tie_word_embeddings=True)
+        return Qwen3_5Config(text_config={**text, **depth, **special}, vision_config=vision, tie_word_embeddings=True)
     raise ValueError(f"unknown shape {shape!r}: choose one of {', '.join(SHAPES)}")
 
 
-def write_random_model(shape: str, out: str | Path, seed: int = 0) -> tuple[Path, int]:
+def write_random_model(shape: str, out: str | Path, seed: int = 0, layers: int | None = None) -> tuple[Path, int]:
     """Write the random-weight checkpoint (bf16, on the GPU when there is one); returns (folder, parameters)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
@@ -56,7 +60,7 @@ def write_random_model(shape: str, out: str | Path, seed: int = 0) -> tuple[Path
     from alfrl.tiny import build_tokenizer
 
     tokenizer = build_tokenizer()
-    config = build_config(shape, tokenizer)
+    config = build_config(shape, tokenizer, layers)
     torch.manual_seed(seed)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if shape != "qwen3.5-small" else torch.float32
@@ -76,8 +80,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--shape", required=True, choices=SHAPES)
     parser.add_argument("--out", required=True)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--layers", type=int, default=None, help="keep only this many text layers (default: the shape's)")
     args = parser.parse_args(argv)
     start = time.perf_counter()
-    out, n = write_random_model(args.shape, args.out, args.seed)
+    try:
+        out, n = write_random_model(args.shape, args.out, args.seed, args.layers)
+    except ValueError as e:
+        parser.error(str(e))
     print(f"{args.shape}: {n / 1e9:.3f} B parameters written to {out} in {time.perf_counter() - start:.1f}s")
     return 0

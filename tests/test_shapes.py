@@ -24,6 +24,19 @@ def test_the_4b_shape_is_the_reference_structure():
     assert text.vocab_size == 248320 and config.tie_word_embeddings
 
 
+def test_fewer_layers_keep_every_size_and_the_layer_pattern():
+    import pytest
+
+    from alfrl.tiny import build_tokenizer
+
+    text = build_config("qwen3.5-4b", build_tokenizer(), layers=4).text_config
+    assert text.layer_types == ["linear_attention"] * 3 + ["full_attention"]
+    assert (text.hidden_size, text.linear_num_value_heads, text.head_dim) == (2560, 32, 256)
+    assert build_config("qwen3-4b", build_tokenizer(), layers=2).num_hidden_layers == 2
+    with pytest.raises(ValueError, match="--layers 0: give at least 1"):
+        build_config("qwen3.5-4b", build_tokenizer(), layers=0)
+
+
 def test_the_text_stack_of_a_vision_language_checkpoint_loads_every_weight(qwen35_small_dir):
     assert is_vision_language(read_config(qwen35_small_dir))
     model = load_causal_lm(qwen35_small_dir, torch.float32, "sdpa")
