@@ -343,14 +343,18 @@ case "${1:-}" in
     nvidia-smi --query-gpu=name,memory.total --format=csv
     echo "install rc=0 seconds=$(( $(date +%s) - s ))" >> "$W/results/times.txt"
     touch "$W/install.done"; log "install done" ;;
-  sleep-probe)  # after install (and `stage .gpu-cache/k01` for warm compilers): bench/sleep_probe.py on a 4-layer Qwen3.5-4B, in the background
+  sleep-probe)  # after install (and `stage .gpu-cache/k01` for warm compilers): bench/sleep_probe.py on a 4-layer Qwen3.5-4B, in the
+    # background (2026-12-02: ~150 s from install to the result; the files land in $OUT of a later call)
     cp "$0" "$W/campaign.sh"; ALFRL_REPO=$REPO setsid nohup bash "$W/campaign.sh" _sleep-probe > "$W/logs/start.log" 2>&1 < /dev/null &
     log "sleep probe started" ;;
   _sleep-probe)
     if ls /tmp/cache-stage/caches.tgz.part* > /dev/null 2>&1; then
       mkdir -p "$W/cache" && cat /tmp/cache-stage/caches.tgz.part* | tar -xzf - -C "$W/cache" && log "compiler caches restored"
     fi
-    if [ "$DRY" = 1 ]; then PROBE_ARGS=(--dry --probe-tokens 50); else PROBE_ARGS=(--eager); while [ ! -f "$W/install.done" ]; do sleep 2; done; fi
+    # SLEEP_PROBE_ARGS: bench/sleep_probe.py's options (default --adapter: the trainer's adapter served and trained
+    # between sleep and wake-up, as in `alfrl fit`; add --eager for a faster engine start)
+    if [ "$DRY" = 1 ]; then PROBE_ARGS=(--dry --probe-tokens 50 --adapter)
+    else read -ra PROBE_ARGS <<< "${SLEEP_PROBE_ARGS:---adapter}"; while [ ! -f "$W/install.done" ]; do sleep 2; done; fi
     timed random_q35_4layers "${ALFRL[@]}" random-model --shape "$Q35_SHAPE" --layers 4 --out "$W/q35-4layers" &&
       timed sleep_probe "$PY" bench/sleep_probe.py --model "$W/q35-4layers" --out "$W/results/sleep_probe.json" "${PROBE_ARGS[@]}"
     cp "$W/results/sleep_probe.json" "$W/logs/sleep_probe.log" "$OUT/" 2>/dev/null; log "sleep probe done" ;;

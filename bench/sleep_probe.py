@@ -5,7 +5,10 @@
 The product's ``VLLMEngine`` (LoRA served, sleep mode, the recipe's engine settings for the checkpoint) scores a
 fixed probe, then goes through two sleep / wake-up cycles. Between sleep and wake-up the GPU memory the engine
 gave back is filled with 0xFF bytes (NaN as a float, -1 as an integer) and freed, as the trainer's update leaves
-it with its own data. Then the probe is scored twice. The cycles:
+it with its own data. Then the probe is scored twice. With ``--adapter`` (as ``alfrl fit`` runs): the trainer
+(``AlfrlPolicy`` with the reference recipe's LoRA) pushes its adapter first, the engine serves it, and between
+sleep and wake-up the trainer runs one optimizer step on the probe (its linear-attention kernel chosen as in
+training), which it does not push: the engine must score exactly as before the sleep. The cycles:
 
 - ``kept``: as alfrl sleeps now: every engine buffer vLLM built beside its KV cache kept with the weights
   (``keep_across_sleep``), the cache pages zeroed at wake-up;
@@ -38,6 +41,25 @@ def poison_free_memory(share: float = 0.9) -> float:
     return n * 4 / 2**30
 
 
+def train_once(policy, optimizer, probe: list[int]) -> dict:
+    """One optimizer step of the trainer on the probe (its log-likelihood), as an update would between sleep and
+    wake-up; returns the loss, the trainer's probe change and the linear-attention kernel it used."""
+    import torch
+
+    policy.prepare_training()
+    before = policy.score(probe)
+    ids = torch.tensor([probe], device=policy.device)
+    logits = policy.model(input_ids=ids).logits[0, :-1].float()
+    loss = -torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None]).mean()
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    after = policy.score(probe)
+    kernel = policy.linear_attention.kernel if policy.linear_attention is not None else None
+    return {"loss": loss.item(), "trainer_probe_change": sum(abs(a - b) for a, b in zip(before, after)) / len(probe),
+            "linear_attention": kernel}
+
+
 def compare(scores: list[float], base: list[float]) -> dict:
     bad = sum(not math.isfinite(x) for x in scores)
     finite = [abs(a - b) for a, b in zip(scores, base) if math.isfinite(a) and math.isfinite(b)]
@@ -50,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="where the JSON goes")
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs (a faster engine start)")
     parser.add_argument("--probe-tokens", type=int, default=389)
+    parser.add_argument("--adapter", action="store_true", help="serve the trainer's adapter and train it between sleep and wake-up")
     parser.add_argument("--dry", action="store_true", help="the CPU plumbing only: HF engine, no sleep")
     args = parser.parse_args(argv)
 
@@ -62,7 +85,19 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     rng = random.Random(0)
     probe = [rng.randrange(10, 3000) for _ in range(args.probe_tokens)]
-    result: dict = {"model": args.model, "eager": args.eager, "probe_tokens": len(probe)}
+    result: dict = {"model": args.model, "eager": args.eager, "adapter": args.adapter, "probe_tokens": len(probe)}
+    policy = optimizer = None
+    if args.adapter:
+        import yaml
+
+        from alfrl.policy import AlfrlPolicy
+        from alfrl.ppo import LoRAConfig
+
+        lora = LoRAConfig(**yaml.safe_load(open("recipes/qwen4b_80step.yaml"))["model"]["lora"])
+        policy = AlfrlPolicy(model_name=args.model, dtype="float32" if args.dry else "bfloat16", lora=lora)
+        policy.configure_model()
+        policy.to("cpu" if args.dry else "cuda")
+        optimizer = torch.optim.AdamW(policy.trainable_parameters(), lr=1e-3)
     if args.dry:
         from alfrl.engines import HFEngine
         from alfrl.models import load_causal_lm
@@ -74,8 +109,11 @@ def main(argv: list[str] | None = None) -> int:
 
         config = EngineConfig(kind="vllm", sleep_mode=True, enforce_eager=args.eager, gpu_memory_utilization=0.5)
         engine = VLLMEngine(args.model, gpu_memory_utilization=0.5, max_model_len=4096, enable_sleep_mode=True,
-                            enforce_eager=args.eager, seed=0, lora_rank=32, extra=config.vllm_extra(args.model))
+                            enforce_eager=args.eager, seed=0, lora_rank=policy.lora.rank if policy else 32,
+                            extra=config.vllm_extra(args.model))
     result["engine_start_seconds"] = time.perf_counter() - t0
+    if policy is not None and not args.dry:
+        result["adapter_modules_taken"] = engine.load_adapter(policy.adapter_weights())
     base = engine.score(probe)
     result["before_sleep"] = compare(base, base)
     if not args.dry:
@@ -92,13 +130,16 @@ def main(argv: list[str] | None = None) -> int:
             start = time.perf_counter()
             engine.sleep()
             poisoned = poison_free_memory()
+            trained = train_once(policy, optimizer, probe) if policy is not None else None
             engine.wake_up()
             first, second = engine.score(probe), engine.score(probe)
-            result[cycle] = {"kept_mib": (engine._kept_bytes if cycle == "kept" else 0) / 2**20, "poisoned_gib": poisoned,
+            result[cycle] = {"kept_mib": (engine._kept_bytes if cycle == "kept" else 0) / 2**20, "poisoned_gib": poisoned, "trained": trained,
                              "first_after_wake": compare(first, base), "second_after_wake": compare(second, base),
                              "seconds": time.perf_counter() - start}
             print(cycle, json.dumps(result[cycle]), flush=True)
         vllm_engine.keep_across_sleep = keep
+    elif policy is not None:
+        result["trained"] = train_once(policy, optimizer, probe)
     result["seconds"] = time.perf_counter() - t0
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
