@@ -227,7 +227,6 @@ class VLLMEngine:
             raise EngineError("this vLLM engine was started without LoRA support: start it with lora_rank, or sync merged weights")
         from vllm.lora.lora_model import LoRAModel
         from vllm.lora.peft_helper import PEFTHelper
-        from vllm.lora.request import LoRARequest
 
         workers = self._runner().lora_manager
         manager = workers._adapter_manager
@@ -254,14 +253,21 @@ class VLLMEngine:
                 f"vLLM serves LoRA on {len(served)} of the adapter's {len(adapter.modules)} modules (not on {missing[:3]}): "
                 "use lora_target_modules that vLLM supports for this model, or data.engine.weight_sync: merged"
             )
+        self._register(lora, f"alfrl-v{adapter.version}-{lora_id}")
+        return len(served)
+
+    def _register(self, lora, name: str) -> None:
+        """Serve ``lora`` (a vLLM LoRAModel) from the next request on, in place of the adapter served so far."""
+        from vllm.lora.request import LoRARequest
+
+        manager = self._runner().lora_manager._adapter_manager
         if self._lora is not None:
             manager.remove_adapter(self._lora.lora_int_id)
         manager.add_adapter(lora)
-        manager.activate_adapter(lora_id)
-        self._lora = LoRARequest(f"alfrl-v{adapter.version}-{lora_id}", lora_id, lora_path="in-memory")
+        manager.activate_adapter(lora.id)
+        self._lora = LoRARequest(name, lora.id, lora_path="in-memory")
         self._lora_model = lora
         self.llm.reset_prefix_cache()
-        return len(served)
 
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
@@ -301,10 +307,15 @@ class VLLMEngine:
             self.llm.wake_up()
             self._asleep = False
             self._zero_kv_cache()
-            if self._lora_model is not None:  # put the adapter back into the LoRA layers' buffers
-                manager = self._runner().lora_manager._adapter_manager
-                manager.deactivate_adapter(self._lora.lora_int_id)
-                manager.activate_adapter(self._lora.lora_int_id)
+            if self._lora_model is not None:
+                # the adapter served before the sleep, registered again under a new id exactly as a push does
+                # (its tensors shared, not copied), which resets the prefix cache. On the H200 (2026-12-01) the
+                # random Qwen3.5-4B scored the probe as NaN at each scoring after a wake-up (the prefix cache may
+                # have served the first result again) until a push re-registered the adapter and reset the cache;
+                # re-activating the adapter in place, as this did then, had not helped. Not run on a GPU yet.
+                lora_id = self._next_lora_id
+                self._next_lora_id += 1
+                self._register(self._lora_model.clone(lora_id), f"{self._lora.lora_name}-woken-{lora_id}")
 
     def _kv_cache_storages(self) -> list:
         """The distinct storages of the runner's KV cache tensors (a linear-attention layer's states are views of one)."""

@@ -101,28 +101,42 @@ def test_the_cuda_graph_size_reaches_vllm_and_is_checked(tiny_model_dir):
     assert EngineConfig(cudagraph_max_tokens=0).problems() == ["data.engine.cudagraph_max_tokens=0 must be >= 1 (or null for vLLM's default)"]
 
 
-def test_waking_the_vllm_engine_zeroes_its_kv_cache_and_puts_the_adapter_back():
-    """vLLM maps fresh, unzeroed memory back at wake-up; the engine zeroes every cache storage once (views share one)."""
-    from types import SimpleNamespace
+def test_waking_the_vllm_engine_zeroes_its_kv_cache_and_registers_the_served_adapter_again(monkeypatch):
+    """vLLM maps fresh, unzeroed memory back at wake-up: the engine zeroes every cache storage once (views share
+    one), and serves the same adapter again under a new id, as a push does (its tensors shared)."""
+    import sys
+    from types import ModuleType, SimpleNamespace
 
     from alfrl.vllm_engine import VLLMEngine
+
+    request = ModuleType("vllm.lora.request")
+    request.LoRARequest = lambda name, lora_int_id, lora_path: SimpleNamespace(lora_name=name, lora_int_id=lora_int_id)
+    monkeypatch.setitem(sys.modules, "vllm.lora.request", request)
+
+    class Lora(SimpleNamespace):
+        def clone(self, new_id):
+            return Lora(id=new_id, loras=self.loras)
 
     raw = torch.full((64,), float("nan"))
     mamba = [raw[:32].view(4, 8), raw[32:].view(8, 4)]  # a linear-attention layer's conv and recurrent state: views of one buffer
     attention = torch.full((2, 16), float("nan"))
     calls = []
-    manager = SimpleNamespace(deactivate_adapter=lambda i: calls.append(("off", i)), activate_adapter=lambda i: calls.append(("on", i)))
+    manager = SimpleNamespace(remove_adapter=lambda i: calls.append(("remove", i)), add_adapter=lambda lora: calls.append(("add", lora.id)),
+                              activate_adapter=lambda i: calls.append(("activate", i)))
     runner = SimpleNamespace(kv_caches=[attention, mamba], lora_manager=SimpleNamespace(_adapter_manager=manager))
     engine = object.__new__(VLLMEngine)
-    engine.llm = SimpleNamespace(wake_up=lambda: calls.append("wake"))
-    engine._asleep, engine._lora_model, engine._lora = True, object(), SimpleNamespace(lora_int_id=3)
+    engine.llm = SimpleNamespace(wake_up=lambda: calls.append("wake"), reset_prefix_cache=lambda: calls.append("reset"))
+    weights = {"layers.0.q_proj": object()}
+    engine._asleep, engine._next_lora_id = True, 4
+    engine._lora_model, engine._lora = Lora(id=3, loras=weights), SimpleNamespace(lora_name="alfrl-v2-3", lora_int_id=3)
     engine._runner = lambda: runner
     engine.wake_up()
-    assert calls == ["wake", ("off", 3), ("on", 3)]
+    assert calls == ["wake", ("remove", 3), ("add", 4), ("activate", 4), "reset"]
+    assert engine._lora.lora_int_id == 4 and engine._lora_model.id == 4 and engine._lora_model.loras is weights
     assert not torch.isnan(raw).any() and (raw == 0).all() and (attention == 0).all()
     assert engine._zero_kv_cache() == raw.nbytes + attention.nbytes  # each storage once
     engine.wake_up()  # awake already: nothing happens
-    assert calls == ["wake", ("off", 3), ("on", 3)]
+    assert len(calls) == 5
 
 
 def test_sleep_keeps_every_engine_buffer_but_the_kv_cache_pages():
