@@ -7,13 +7,16 @@ fixed probe, then goes through two sleep / wake-up cycles. Between sleep and wak
 gave back is filled with 0xFF bytes (NaN as a float, -1 as an integer) and freed, as the trainer's update leaves
 it with its own data. Then the probe is scored twice. With ``--adapter`` (as ``alfrl fit`` runs): the trainer
 (``AlfrlPolicy`` with the reference recipe's LoRA) pushes its adapter first, the engine serves it, and between
-sleep and wake-up the trainer runs one optimizer step on the probe (its linear-attention kernel chosen as in
-training), which it does not push: the engine must score exactly as before the sleep. The cycles:
+sleep and wake-up the trainer runs one optimizer step on the probe (the PyTorch reference for its linear
+attention, as in both failing fits), which it does not push: the engine must score exactly as before the sleep. The cycles:
 
 - ``kept``: as alfrl sleeps now: every engine buffer vLLM built beside its KV cache kept with the weights
   (``keep_across_sleep``), the cache pages zeroed at wake-up;
 - ``dropped``: those buffers tagged back as vLLM had them, so sleep drops them (alfrl before 2026-12-02;
   the cache is still zeroed).
+
+With ``--adapter`` each is run twice: the served adapter registered again at wake-up as a push does (alfrl now),
+and re-activated in place (alfrl before 2026-12-02).
 
 For each: the non-finite probe log-probs and the largest difference from the scores before any sleep.
 On the H200 the random Qwen3.5-4B scored 388 of 389 probe tokens as NaN after a wake-up (2026-12-02); the
@@ -60,10 +63,52 @@ def train_once(policy, optimizer, probe: list[int]) -> dict:
             "linear_attention": kernel}
 
 
+def wake_in_place(engine) -> None:
+    """The engine's wake-up as alfrl did it until 2026-12-02: the served adapter re-activated in place, not registered
+    again (on 2026-12-01 the Qwen3.5 probe stayed NaN after such a wake-up until a push)."""
+    engine.llm.wake_up()
+    engine._asleep = False
+    engine._zero_kv_cache()
+    manager = engine._runner().lora_manager._adapter_manager
+    manager.deactivate_adapter(engine._lora.lora_int_id)
+    manager.activate_adapter(engine._lora.lora_int_id)
+
+
 def compare(scores: list[float], base: list[float]) -> dict:
     bad = sum(not math.isfinite(x) for x in scores)
     finite = [abs(a - b) for a, b in zip(scores, base) if math.isfinite(a) and math.isfinite(b)]
     return {"non_finite": bad, "tokens": len(scores), "max_abs_diff_finite": max(finite) if finite else None}
+
+
+def run_cycles(engine, allocations: dict, policy, optimizer, probe: list[int], base: list[float], poison=poison_free_memory) -> dict:
+    """The sleep / wake-up cycles (see the module's doc) on a started ``VLLMEngine``; ``allocations`` is vLLM's
+    sleep-mode allocator's table. Returns one result per cycle; leaves ``keep_across_sleep`` as it found it."""
+    from alfrl import vllm_engine
+
+    tags = {address: data.tag for address, data in allocations.items()}
+    keep = vllm_engine.keep_across_sleep
+    cycles = [("kept", "registered"), ("kept", "in place"), ("dropped", "registered"), ("dropped", "in place")]
+    out = {}
+    try:
+        for buffers, adapter in cycles if policy is not None else [("kept", None), ("dropped", None)]:
+            cycle = buffers if adapter is None else f"{buffers}, adapter {adapter}"
+            if buffers == "dropped" and vllm_engine.keep_across_sleep is keep:  # as vLLM tagged them, alfrl's sleep leaving them so
+                for address, data in allocations.items():
+                    data.tag = tags.get(address, data.tag)
+                vllm_engine.keep_across_sleep = lambda allocations, kv_ranges: 0
+            start = time.perf_counter()
+            engine.sleep()
+            poisoned = poison()
+            trained = train_once(policy, optimizer, probe) if policy is not None else None
+            wake_in_place(engine) if adapter == "in place" else engine.wake_up()
+            first, second = engine.score(probe), engine.score(probe)
+            out[cycle] = {"kept_mib": (engine._kept_bytes if buffers == "kept" else 0) / 2**20, "poisoned_gib": poisoned,
+                          "trained": trained, "first_after_wake": compare(first, base), "second_after_wake": compare(second, base),
+                          "seconds": time.perf_counter() - start}
+            print(cycle, json.dumps(out[cycle]), flush=True)
+    finally:
+        vllm_engine.keep_across_sleep = keep
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,7 +139,10 @@ def main(argv: list[str] | None = None) -> int:
         from alfrl.ppo import LoRAConfig
 
         lora = LoRAConfig(**yaml.safe_load(open("recipes/qwen4b_80step.yaml"))["model"]["lora"])
-        policy = AlfrlPolicy(model_name=args.model, dtype="float32" if args.dry else "bfloat16", lora=lora)
+        # the PyTorch reference for the Gated DeltaNet layers, as both failing fits trained (2026-12-01: FLA not
+        # installed; 2026-12-02: its check failed); `auto` would spend ~2 minutes autotuning FLA for its check
+        policy = AlfrlPolicy(model_name=args.model, dtype="float32" if args.dry else "bfloat16", lora=lora,
+                             linear_attention_kernel="torch")
         policy.configure_model()
         policy.to("cpu" if args.dry else "cuda")
         optimizer = torch.optim.AdamW(policy.trainable_parameters(), lr=1e-3)
@@ -104,7 +152,6 @@ def main(argv: list[str] | None = None) -> int:
 
         engine = HFEngine(load_causal_lm(args.model, dtype=torch.float32), pad_token_id=0)
     else:
-        from alfrl import vllm_engine
         from alfrl.vllm_engine import VLLMEngine
 
         config = EngineConfig(kind="vllm", sleep_mode=True, enforce_eager=args.eager, gpu_memory_utilization=0.5)
@@ -119,25 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.dry:
         from vllm.device_allocator.cumem import CuMemAllocator
 
-        allocations = CuMemAllocator.get_instance().pointer_to_data
-        tags = {address: data.tag for address, data in allocations.items()}
-        keep = vllm_engine.keep_across_sleep
-        for cycle in ("kept", "dropped"):
-            if cycle == "dropped":  # as vLLM tagged them, and alfrl's sleep leaving them so
-                for address, data in allocations.items():
-                    data.tag = tags.get(address, data.tag)
-                vllm_engine.keep_across_sleep = lambda allocations, kv_ranges: 0
-            start = time.perf_counter()
-            engine.sleep()
-            poisoned = poison_free_memory()
-            trained = train_once(policy, optimizer, probe) if policy is not None else None
-            engine.wake_up()
-            first, second = engine.score(probe), engine.score(probe)
-            result[cycle] = {"kept_mib": (engine._kept_bytes if cycle == "kept" else 0) / 2**20, "poisoned_gib": poisoned, "trained": trained,
-                             "first_after_wake": compare(first, base), "second_after_wake": compare(second, base),
-                             "seconds": time.perf_counter() - start}
-            print(cycle, json.dumps(result[cycle]), flush=True)
-        vllm_engine.keep_across_sleep = keep
+        result.update(run_cycles(engine, CuMemAllocator.get_instance().pointer_to_data, policy, optimizer, probe, base))
     elif policy is not None:
         result["trained"] = train_once(policy, optimizer, probe)
     result["seconds"] = time.perf_counter() - t0

@@ -186,3 +186,67 @@ def test_each_vllm_request_gets_its_own_sampling_params_which_vllm_need_not_deep
     engine.submit([req, req])
     assert len(made) == 2 and added == made and made[0] is not made[1]
     assert all(p.skip_clone and p.stop_token_ids == [7] for p in made) and made[0].stop_token_ids is not made[1].stop_token_ids
+
+
+def test_the_sleep_probe_runs_its_four_cycles_through_the_engines_own_sleep_and_wake_up(monkeypatch):
+    """bench/sleep_probe.py's cycles on a stand-in vLLM (the GPU is too scarce to find a slip there): buffers
+    kept then dropped (the allocator's tags put back), the adapter registered again or re-activated in place."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+    from types import ModuleType, SimpleNamespace
+
+    from alfrl import vllm_engine
+    from alfrl.vllm_engine import VLLMEngine
+
+    spec = importlib.util.spec_from_file_location("sleep_probe", Path(__file__).parents[1] / "bench" / "sleep_probe.py")
+    probe_mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe_mod)
+    kv = torch.zeros(256)
+    allocations = {kv.data_ptr(): SimpleNamespace(tag="kv_cache", handle=(0, kv.nbytes, None, None)),
+                   7: SimpleNamespace(tag="kv_cache", handle=(0, 64, None, None)),
+                   9: SimpleNamespace(tag="weights", handle=(0, 512, None, None))}
+    cumem = ModuleType("vllm.device_allocator.cumem")
+    cumem.CuMemAllocator = SimpleNamespace(get_instance=lambda: SimpleNamespace(pointer_to_data=allocations))
+    request = ModuleType("vllm.lora.request")
+    request.LoRARequest = lambda name, lora_int_id, lora_path: SimpleNamespace(lora_name=name, lora_int_id=lora_int_id)
+    for name, mod in (("vllm.device_allocator.cumem", cumem), ("vllm.lora.request", request)):
+        monkeypatch.setitem(sys.modules, name, mod)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (0, 0))
+
+    class Lora(SimpleNamespace):
+        def clone(self, new_id):
+            return Lora(id=new_id)
+
+    calls, tags_at_sleep = [], []
+    manager = SimpleNamespace(remove_adapter=lambda i: calls.append("remove"), add_adapter=lambda lora: calls.append("add"),
+                              activate_adapter=lambda i: calls.append("activate"), deactivate_adapter=lambda i: calls.append("deactivate"))
+    runner = SimpleNamespace(kv_caches=[kv], lora_manager=SimpleNamespace(_adapter_manager=manager))
+    engine = object.__new__(VLLMEngine)
+
+    def sleep(level):
+        tags_at_sleep.append(allocations[7].tag)
+        calls.append("sleep")
+
+    engine.llm = SimpleNamespace(sleep=sleep, wake_up=lambda: calls.append("wake"), reset_prefix_cache=lambda: None)
+    engine.sleep_mode, engine._asleep, engine._kept_bytes, engine._next_lora_id = True, False, 0, 2
+    engine._lora_model, engine._lora = Lora(id=1), SimpleNamespace(lora_name="v1", lora_int_id=1)
+    engine._runner = lambda: runner
+    base = [0.0, -1.0, -2.0]
+    engine.score = lambda ids: [0.0, -1.0, float("nan")] if calls[-1] == "activate" and calls[-2] == "deactivate" else base
+    keep = vllm_engine.keep_across_sleep
+    out = probe_mod.run_cycles(engine, allocations, policy=None, optimizer=None, probe=[1, 2, 3], base=base, poison=lambda: 0.0)
+    assert list(out) == ["kept", "dropped"] and out["kept"]["kept_mib"] == 64 / 2**20
+    assert allocations[7].tag == "kv_cache"  # put back for the dropped cycle
+    # with a policy: four cycles (the trainer's step is not what is tested here)
+    monkeypatch.setattr(probe_mod, "train_once", lambda policy, optimizer, probe: {"loss": 1.0})
+    calls.clear()
+    tags_at_sleep.clear()
+    out = probe_mod.run_cycles(engine, allocations, policy=object(), optimizer=None, probe=[1, 2, 3], base=base, poison=lambda: 0.0)
+    assert list(out) == ["kept, adapter registered", "kept, adapter in place", "dropped, adapter registered", "dropped, adapter in place"]
+    assert tags_at_sleep == ["weights", "weights", "kv_cache", "kv_cache"]  # kept, then put back as vLLM tagged it
+    assert allocations[kv.data_ptr()].tag == "kv_cache" and allocations[9].tag == "weights"
+    assert calls.count("remove") == 2 and calls.count("deactivate") == 2
+    assert out["kept, adapter in place"]["first_after_wake"]["non_finite"] == 1
+    assert out["kept, adapter registered"]["first_after_wake"] == {"non_finite": 0, "tokens": 3, "max_abs_diff_finite": 0.0}
+    assert vllm_engine.keep_across_sleep is keep
