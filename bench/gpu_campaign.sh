@@ -45,6 +45,10 @@
 # The bench job (alone on the GPU): bench/sampler_bench.py, the sync's gaps, responses and decode speed,
 # LoRA-served then merged; then the engine ceiling, round vs async rollouts and the update's MFU.
 #
+# Qwen3.5's NaN probe after a wake-up (2026-12-01, 2026-12-02; bench/README.md): after install,
+#   bash bench/gpu_campaign.sh stage .gpu-cache/k01 && bash bench/gpu_campaign.sh sleep-probe   # ~150 s, alone on the GPU
+#   bash bench/gpu_campaign.sh wait 240 sleep-probe      # results.tgz: results/sleep_probe.json, logs/sleep_probe.log
+# then `start` as below (the probe must end first: both need most of the GPU).
 # DRY=1 runs the same script on a CPU with the tiny model (HF engine, 2 games per split) to check it.
 set -uo pipefail
 cd "${ALFRL_REPO:-$(dirname "$0")/..}"
@@ -357,7 +361,7 @@ case "${1:-}" in
     else read -ra PROBE_ARGS <<< "${SLEEP_PROBE_ARGS:---adapter}"; while [ ! -f "$W/install.done" ]; do sleep 2; done; fi
     timed random_q35_4layers "${ALFRL[@]}" random-model --shape "$Q35_SHAPE" --layers 4 --out "$W/q35-4layers" &&
       timed sleep_probe "$PY" bench/sleep_probe.py --model "$W/q35-4layers" --out "$W/results/sleep_probe.json" "${PROBE_ARGS[@]}"
-    cp "$W/results/sleep_probe.json" "$W/logs/sleep_probe.log" "$OUT/" 2>/dev/null; log "sleep probe done" ;;
+    touch "$W/sleep_probe.done"; log "sleep probe done" ;;
   start)  # carry .gpu-data (the games archive, the expert trajectories): copied before the call ends
     [ "$DRY" = 1 ] || { mkdir -p /tmp/gpu-data && cp -r .gpu-data/. /tmp/gpu-data/; }
     cp "$0" "$W/campaign.sh"; ALFRL_REPO=$REPO setsid nohup bash "$W/campaign.sh" _start > "$W/logs/start.log" 2>&1 < /dev/null &
@@ -397,8 +401,9 @@ print(int(c['callbacks'].get('Timer', {}).get('time_elapsed', {}).get('train', 0
   _bench)
     while pgrep -f "alfrl.cl[i] " > /dev/null; do sleep 3; done
     bench_lane; touch "$W/bench_lane.done"; log "bench done" ;;
-  wait)  # wait N [bench]: until the learning job (or the bench) is done or N seconds pass; then pack what there is
+  wait)  # wait N [bench|sleep-probe]: until the learning job (or the bench, or the sleep probe) is done or N seconds pass; then pack what there is
     end=$(( $(date +%s) + ${2:-540} )); mark=$W/all.done; [ "${3:-}" = bench ] && mark=$W/bench_lane.done
+    [ "${3:-}" = sleep-probe ] && mark=$W/sleep_probe.done
     while [ "$(date +%s)" -lt "$end" ] && [ ! -f "$mark" ]; do sleep 5; done
     pack > /dev/null
     tail -n 30 "$W/logs/campaign.log"; cat "$W/results/times.txt" 2>/dev/null
