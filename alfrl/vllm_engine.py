@@ -36,9 +36,11 @@ def keep_across_sleep(allocations: dict, kv_ranges: list[tuple[int, int]]) -> in
     not vLLM's default size (Qwen3.5: 272 tokens, to fit the linear-attention state) the persistent input
     batch. On the H200 (2026-12-02) the random Qwen3.5-4B scored 388 of 389 probe tokens as NaN right after a
     wake-up although its KV cache had been zeroed; the Qwen2.5 models, whose input batch vLLM builds before the
-    cache (one group of its default block size), never did. These buffers are the suspected cause (read in
-    vLLM 0.26's source, not yet confirmed on a GPU). Kept, they come back as they were; the cache pages are
-    zeroed at wake-up. A segment that holds a cache page is never kept (it would copy the whole cache).
+    cache (one group of its default block size), never did. These buffers were suspected (from vLLM 0.26's
+    source); ``bench/sleep_probe.py`` on a 4-layer Qwen3.5-4B then did not reproduce the NaN with them kept or
+    dropped (2 MiB of them), so the cause is still open. Kept, they come back as they were (what a wake-up
+    should give); the cache pages are zeroed at wake-up. A segment that holds a cache page is never kept (it
+    would copy the whole cache).
     """
     kept = 0
     for address, data in allocations.items():
