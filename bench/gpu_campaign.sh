@@ -348,8 +348,8 @@ case "${1:-}" in
     echo "install rc=0 seconds=$(( $(date +%s) - s ))" >> "$W/results/times.txt"
     touch "$W/install.done"; log "install done" ;;
   sleep-probe)  # after install (and `stage .gpu-cache/k01` for warm compilers): bench/sleep_probe.py on a 4-layer Qwen3.5-4B, in the
-    # background (2026-12-02: ~150 s from install to the result; the files land in $OUT of a later call)
-    cp "$0" "$W/campaign.sh"; ALFRL_REPO=$REPO setsid nohup bash "$W/campaign.sh" _sleep-probe > "$W/logs/start.log" 2>&1 < /dev/null &
+    # background (2026-12-02: ~150 s from install to the result); `wait N sleep-probe` brings its files back
+    cp "$0" "$W/campaign.sh"; ALFRL_REPO=$REPO setsid nohup bash "$W/campaign.sh" _sleep-probe > "$W/logs/sleep_probe_job.log" 2>&1 < /dev/null &
     log "sleep probe started" ;;
   _sleep-probe)
     if ls /tmp/cache-stage/caches.tgz.part* > /dev/null 2>&1; then
