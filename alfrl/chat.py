@@ -61,6 +61,16 @@ class ChatFormat:
         )
 
     def encode(self, text: str) -> list[int]:
+        """``text``'s ids, no special tokens added (special-token text such as ``<|im_end|>`` is its token).
+
+        A fast tokenizer's Rust backend is called directly: the same ids, without transformers' batch-of-one
+        path around it (1.27-1.29x faster for Qwen2.5's tokenizer on 2,000 real feedback texts,
+        bench/encode_bench.py; the 274-game evaluation encodes ~6,800 of them, at ~1 ms each on the H200's
+        host in its profile).
+        """
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is not None:
+            return backend.encode(text, add_special_tokens=False).ids
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def first_prompt_ids(self, user_message: str, system_message: str | None = None) -> list[int]:

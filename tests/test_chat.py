@@ -1,11 +1,12 @@
 """Token-in/token-out: each prompt extends the previous one exactly, with the template's own pieces."""
 
 import copy
+from types import SimpleNamespace
 
 import pytest
 
 from alfrl import protocol
-from alfrl.chat import TemplateError, chat_format
+from alfrl.chat import ChatFormat, TemplateError, chat_format
 from alfrl.envs import EnvState
 
 STATE = EnvState("You are in the middle of a room.", ("go to desk 1", "help", "look"), False, False)
@@ -100,3 +101,23 @@ def test_a_tokenizer_without_a_template_is_refused(tiny_tokenizer):
     tok.chat_template = None
     with pytest.raises(TemplateError, match="no chat template"):
         chat_format(tok, "tool_call")
+
+
+def test_encode_calls_the_fast_backend_and_gives_transformers_ids(tiny_tokenizer):
+    """The Rust backend directly (no batch-of-one path) must give exactly what transformers' encode gives."""
+    fmt = chat_format(tiny_tokenizer, "tool_call")
+    texts = [fmt.between_text + "You arrive at countertop 1. On it, you see a mug 1." + fmt.after_text, "  spaces\n\n tabs\t",
+             "<|im_end|>\n<|im_start|>user\nhello<|im_end|>", "", "unicode: caf\u00e9 \u27e6x\u27e7"]
+    calls = []
+    backend = tiny_tokenizer.backend_tokenizer
+
+    class Spy:
+        def encode(self, text, add_special_tokens):
+            calls.append(text)
+            return backend.encode(text, add_special_tokens=add_special_tokens)
+
+    spied = ChatFormat(fmt.action_format, fmt.chat_template_kwargs, fmt.end_of_turn_id, fmt.stop_token_ids, fmt.between_text,
+                       fmt.after_text, fmt.end_of_turn_text, SimpleNamespace(backend_tokenizer=Spy()))
+    for text in texts:
+        assert spied.encode(text) == list(tiny_tokenizer.encode(text, add_special_tokens=False))
+    assert calls == texts
