@@ -154,10 +154,9 @@ def main(argv: list[str] | None = None) -> int:
     else:
         from alfrl.vllm_engine import VLLMEngine
 
-        config = EngineConfig(kind="vllm", sleep_mode=True, enforce_eager=args.eager, gpu_memory_utilization=0.5)
         engine = VLLMEngine(args.model, gpu_memory_utilization=0.5, max_model_len=4096, enable_sleep_mode=True,
                             enforce_eager=args.eager, seed=0, lora_rank=policy.lora.rank if policy else 32,
-                            extra=config.vllm_extra(args.model))
+                            extra=EngineConfig(kind="vllm").vllm_extra(args.model))
     result["engine_start_seconds"] = time.perf_counter() - t0
     if policy is not None and not args.dry:
         result["adapter_modules_taken"] = engine.load_adapter(policy.adapter_weights())

@@ -1,5 +1,7 @@
 """HFEngine's contract (the one VLLMEngine shares), and VLLMEngine's refusal without vLLM or a GPU."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -101,21 +103,31 @@ def test_the_cuda_graph_size_reaches_vllm_and_is_checked(tiny_model_dir):
     assert EngineConfig(cudagraph_max_tokens=0).problems() == ["data.engine.cudagraph_max_tokens=0 must be >= 1 (or null for vLLM's default)"]
 
 
-def test_waking_the_vllm_engine_zeroes_its_kv_cache_and_registers_the_served_adapter_again(monkeypatch):
-    """vLLM maps fresh, unzeroed memory back at wake-up: the engine zeroes every cache storage once (views share
-    one), and serves the same adapter again under a new id, as a push does (its tensors shared)."""
-    import sys
-    from types import ModuleType, SimpleNamespace
+class StandInLora(SimpleNamespace):
+    """vLLM's LoRAModel as the engine uses it: an id, the layer weights, ``clone`` sharing them under a new id."""
 
-    from alfrl.vllm_engine import VLLMEngine
+    def clone(self, new_id):
+        return StandInLora(id=new_id, loras=self.loras)
+
+
+def stand_in_lora_request(monkeypatch) -> None:
+    """vLLM's ``LoRARequest`` (a name and an id) where vLLM is not installed."""
+    import sys
+    from types import ModuleType
 
     request = ModuleType("vllm.lora.request")
     request.LoRARequest = lambda name, lora_int_id, lora_path: SimpleNamespace(lora_name=name, lora_int_id=lora_int_id)
     monkeypatch.setitem(sys.modules, "vllm.lora.request", request)
 
-    class Lora(SimpleNamespace):
-        def clone(self, new_id):
-            return Lora(id=new_id, loras=self.loras)
+
+def test_waking_the_vllm_engine_zeroes_its_kv_cache_and_registers_the_served_adapter_again(monkeypatch):
+    """vLLM maps fresh, unzeroed memory back at wake-up: the engine zeroes every cache storage once (views share
+    one), and serves the same adapter again under a new id, as a push does (its tensors shared)."""
+    from types import SimpleNamespace
+
+    from alfrl.vllm_engine import VLLMEngine
+
+    stand_in_lora_request(monkeypatch)
 
     raw = torch.full((64,), float("nan"))
     mamba = [raw[:32].view(4, 8), raw[32:].view(8, 4)]  # a linear-attention layer's conv and recurrent state: views of one buffer
@@ -128,7 +140,7 @@ def test_waking_the_vllm_engine_zeroes_its_kv_cache_and_registers_the_served_ada
     engine.llm = SimpleNamespace(wake_up=lambda: calls.append("wake"), reset_prefix_cache=lambda: calls.append("reset"))
     weights = {"layers.0.q_proj": object()}
     engine._asleep, engine._next_lora_id = True, 4
-    engine._lora_model, engine._lora = Lora(id=3, loras=weights), SimpleNamespace(lora_name="alfrl-v2-3", lora_int_id=3)
+    engine._lora_model, engine._lora = StandInLora(id=3, loras=weights), SimpleNamespace(lora_name="alfrl-v2-3", lora_int_id=3)
     engine._runner = lambda: runner
     engine.wake_up()
     assert calls == ["wake", ("remove", 3), ("add", 4), ("activate", 4), "reset"]
@@ -208,15 +220,9 @@ def test_the_sleep_probe_runs_its_four_cycles_through_the_engines_own_sleep_and_
                    9: SimpleNamespace(tag="weights", handle=(0, 512, None, None))}
     cumem = ModuleType("vllm.device_allocator.cumem")
     cumem.CuMemAllocator = SimpleNamespace(get_instance=lambda: SimpleNamespace(pointer_to_data=allocations))
-    request = ModuleType("vllm.lora.request")
-    request.LoRARequest = lambda name, lora_int_id, lora_path: SimpleNamespace(lora_name=name, lora_int_id=lora_int_id)
-    for name, mod in (("vllm.device_allocator.cumem", cumem), ("vllm.lora.request", request)):
-        monkeypatch.setitem(sys.modules, name, mod)
+    monkeypatch.setitem(sys.modules, "vllm.device_allocator.cumem", cumem)
+    stand_in_lora_request(monkeypatch)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (0, 0))
-
-    class Lora(SimpleNamespace):
-        def clone(self, new_id):
-            return Lora(id=new_id)
 
     calls, tags_at_sleep = [], []
     manager = SimpleNamespace(remove_adapter=lambda i: calls.append("remove"), add_adapter=lambda lora: calls.append("add"),
@@ -230,7 +236,7 @@ def test_the_sleep_probe_runs_its_four_cycles_through_the_engines_own_sleep_and_
 
     engine.llm = SimpleNamespace(sleep=sleep, wake_up=lambda: calls.append("wake"), reset_prefix_cache=lambda: None)
     engine.sleep_mode, engine._asleep, engine._kept_bytes, engine._next_lora_id = True, False, 0, 2
-    engine._lora_model, engine._lora = Lora(id=1), SimpleNamespace(lora_name="v1", lora_int_id=1)
+    engine._lora_model, engine._lora = StandInLora(id=1, loras={}), SimpleNamespace(lora_name="v1", lora_int_id=1)
     engine._runner = lambda: runner
     base = [0.0, -1.0, -2.0]
     engine.score = lambda ids: [0.0, -1.0, float("nan")] if calls[-1] == "activate" and calls[-2] == "deactivate" else base
