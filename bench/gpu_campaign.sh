@@ -234,18 +234,21 @@ q35_figures() {  # the reference recipe on the random Qwen3.5-4B-structure check
   # cannot be imported fails before any --trainer.logger override applies (2026-12-01)
   "$PY" -c "import sys, yaml; d = yaml.safe_load(open('$Q35')); d['trainer']['logger'] = [{'class_path': 'lightning.pytorch.loggers.CSVLogger',
     'init_args': {'save_dir': '\${trainer.default_root_dir}', 'name': 'csv'}}]; yaml.safe_dump(d, open('$W/q35.yaml', 'w'), sort_keys=False)"
-  local try
+  local try q35_extra
+  # Q35_EXTRA: more recipe overrides for the fit and its evaluation, e.g. "--data.engine.sleep_mode false
+  # --data.engine.gpu_memory_utilization 0.35" should the engine score NaN after a wake-up again
+  read -ra q35_extra <<< "${Q35_EXTRA:-}"
   for try in 1 2; do
     timed q35_fit timeout $T_Q35 "${ALFRL[@]}" fit --config "$W/q35.yaml" --model.model_name $Q35_MODEL "${Q35_ARGS[@]}" --trainer.max_steps 1 \
       --trainer.default_root_dir "$RUN/q35" --data.rollout.max_assistant_tokens 100 \
-      --weight_sync.canary_at_step 1 --checkpoint.save_every 1 --progress_bar.refresh_rate 0 && break
+      --weight_sync.canary_at_step 1 --checkpoint.save_every 1 --progress_bar.refresh_rate 0 "${q35_extra[@]}" && break
     # 2026-12-02: 1 of 3 engine starts of this checkpoint on a fresh H200 died at the first prefill with a CUDA illegal
     # instruction (a process cannot go on after one); started again once, the first log kept
     grep -q "illegal instruction" "$W/logs/q35_fit.log" && [ "$try" = 1 ] || break
     mv "$W/logs/q35_fit.log" "$W/logs/q35_fit_illegal_instruction.log"; rm -rf "$RUN/q35"; log "q35_fit: CUDA illegal instruction, started again"
   done
   timed q35_eval timeout $T_Q35_EVAL "${ALFRL[@]}" eval --config "$W/q35.yaml" --model.model_name $Q35_MODEL "${Q35_EVAL[@]}" --limit-per-split 2 \
-    --data.eval.max_assistant_tokens 100 --adapter "$RUN/q35/checkpoints/last" --out "$RUN/q35_eval.jsonl"
+    --data.eval.max_assistant_tokens 100 --adapter "$RUN/q35/checkpoints/last" --out "$RUN/q35_eval.jsonl" "${q35_extra[@]}"
 }
 
 rl_fit() {  # rl_fit STEPS MAX_SECONDS [ARGS...]: the RL run into $RUN/rl, a checkpoint after every update

@@ -15,6 +15,9 @@ attention, as in both failing fits), which it does not push: the engine must sco
 - ``dropped``: those buffers tagged back as vLLM had them, so sleep drops them (alfrl before 2026-12-02;
   the cache is still zeroed).
 
+With ``--adapter`` a control comes first: ``awake``, the trainer's step with the engine awake (no sleep), then the
+probe (a NaN there would come from the trainer's step, not from sleep).
+
 With ``--adapter`` each is run twice: the served adapter registered again at wake-up as a push does (alfrl now),
 and re-activated in place (alfrl before 2026-12-02).
 
@@ -89,6 +92,14 @@ def run_cycles(engine, allocations: dict, policy, optimizer, probe: list[int], b
     keep = vllm_engine.keep_across_sleep
     cycles = [("kept", "registered"), ("kept", "in place"), ("dropped", "registered"), ("dropped", "in place")]
     out = {}
+    if policy is not None:
+        # the control: the trainer's step with the engine awake (nothing slept): a NaN here is not sleep's doing
+        start = time.perf_counter()
+        trained = train_once(policy, optimizer, probe)
+        first, second = engine.score(probe), engine.score(probe)
+        out["awake"] = {"trained": trained, "first_after_wake": compare(first, base), "second_after_wake": compare(second, base),
+                        "seconds": time.perf_counter() - start}
+        print("awake", json.dumps(out["awake"]), flush=True)
     try:
         for buffers, adapter in cycles if policy is not None else [("kept", None), ("dropped", None)]:
             cycle = buffers if adapter is None else f"{buffers}, adapter {adapter}"

@@ -244,12 +244,13 @@ def test_the_sleep_probe_runs_its_four_cycles_through_the_engines_own_sleep_and_
     out = probe_mod.run_cycles(engine, allocations, policy=None, optimizer=None, probe=[1, 2, 3], base=base, poison=lambda: 0.0)
     assert list(out) == ["kept", "dropped"] and out["kept"]["kept_mib"] == 64 / 2**20
     assert allocations[7].tag == "kv_cache"  # put back for the dropped cycle
-    # with a policy: four cycles (the trainer's step is not what is tested here)
-    monkeypatch.setattr(probe_mod, "train_once", lambda policy, optimizer, probe: {"loss": 1.0})
+    # with a policy: the awake control, then four cycles (the trainer's step is not what is tested here)
+    monkeypatch.setattr(probe_mod, "train_once", lambda policy, optimizer, probe: calls.append("train") or {"loss": 1.0})
     calls.clear()
     tags_at_sleep.clear()
     out = probe_mod.run_cycles(engine, allocations, policy=object(), optimizer=None, probe=[1, 2, 3], base=base, poison=lambda: 0.0)
-    assert list(out) == ["kept, adapter registered", "kept, adapter in place", "dropped, adapter registered", "dropped, adapter in place"]
+    assert list(out) == ["awake", "kept, adapter registered", "kept, adapter in place", "dropped, adapter registered", "dropped, adapter in place"]
+    assert calls[0] == "train" and calls.count("train") == 5 and out["awake"]["first_after_wake"]["non_finite"] == 0
     assert tags_at_sleep == ["weights", "weights", "kv_cache", "kv_cache"]  # kept, then put back as vLLM tagged it
     assert allocations[kv.data_ptr()].tag == "kv_cache" and allocations[9].tag == "weights"
     assert calls.count("remove") == 2 and calls.count("deactivate") == 2
