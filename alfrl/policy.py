@@ -290,8 +290,12 @@ class AlfrlPolicy(L.LightningModule):
         raw_optimizer = lightning_optimizer.optimizer if lightning_optimizer is not None else optimizer
         world = self.trainer.world_size if attached else 1
         self.prepare_training()
+        # torch's counts include a sleeping vLLM engine's memory pool (its pages unmapped, its blocks still counted:
+        # 2026-12-01, 123.45 GiB of which ~106 GiB were the asleep engine's), so the update's own share is the
+        # peak over what was allocated when it began
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device) / 2**30 if self.device.type == "cuda" else 0.0
         started = time.perf_counter()
         old = self.old_logprobs(samples, temperature)
         old_seconds = time.perf_counter() - started
@@ -343,6 +347,7 @@ class AlfrlPolicy(L.LightningModule):
             "update_seconds": time.perf_counter() - started - old_seconds,
             "sequence_tokens": float(sum(len(s) for s in samples)),
             "peak_memory_gib": peak,
+            "update_added_memory_gib": peak - before,
             "loss": tot["loss"] / max(tot["steps"], 1),
             "clip_fraction": tot["clipped"] / n,
             "dual_clip_fraction": tot["dual_clipped"] / n,

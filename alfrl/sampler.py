@@ -35,6 +35,7 @@ from alfrl.sync import SYNC_MODES, WeightSync
 from alfrl.types import RolloutProgress, TrajectoryGroup
 
 ENGINE_KINDS = ("hf", "vllm")
+CUDAGRAPH_MODES = ("none", "piecewise", "full", "full_decode_only", "full_and_piecewise")
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,14 @@ class EngineConfig:
     with LoRA served each of its ~112 LoRA kernels costs ~0.2-0.4 ms of Python: in the 274-game evaluation on
     the H200 (2026-12-01, ~150 games live, ~580 tokens a step) most steps were over 512 and the GPU was busy
     21% of the time (bench/README.md). Larger values capture more graphs at engine start."""
+    cudagraph_mode: str | None = None
+    """vLLM: which engine steps are replayed as CUDA graphs (``compilation_config.cudagraph_mode``): ``piecewise``
+    (around attention), ``full`` (whole steps), ``full_decode_only``, ``full_and_piecewise`` or ``none``; null: vLLM's
+    (full_and_piecewise where the attention backend allows). A diagnostic knob: on the H200 (2026-12-02) the random
+    Qwen3.5-4B scored NaN after a wake-up with vLLM's default graphs and not in eager mode (bench/README.md)."""
+    prefix_caching: bool = True
+    """vLLM: reuse the KV cache of prompt prefixes seen before (every turn's history; Qwen3.5's linear-attention
+    layers in vLLM's experimental "align" mode). Off, every turn computes its whole history again."""
     language_model_only: bool | None = None
     """vLLM: start a vision-language checkpoint without its vision encoder (prompts are token ids);
     null: on exactly for vision-language checkpoints (Qwen3.5)."""
@@ -104,6 +113,8 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "cudagraph_max_tokens"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 out.append(f"{prefix}.{name}={getattr(self, name)} must be >= 1 (or null for vLLM's default)")
+        if self.cudagraph_mode is not None and self.cudagraph_mode not in CUDAGRAPH_MODES:
+            out.append(f"{prefix}.cudagraph_mode={self.cudagraph_mode!r} is not one of {', '.join(CUDAGRAPH_MODES)} (or null for vLLM's)")
         if self.gdn_prefill_backend not in (None, "triton", "flashinfer"):
             out.append(f"{prefix}.gdn_prefill_backend={self.gdn_prefill_backend!r} is not one of triton, flashinfer (or null)")
         if self.max_batch_rows < 1:
@@ -122,7 +133,9 @@ class EngineConfig:
         if self.max_num_batched_tokens is not None:
             extra["max_num_batched_tokens"] = self.max_num_batched_tokens
         if self.cudagraph_max_tokens is not None:
-            extra["compilation_config"] = {"max_cudagraph_capture_size": self.cudagraph_max_tokens}
+            extra.setdefault("compilation_config", {})["max_cudagraph_capture_size"] = self.cudagraph_max_tokens
+        if self.cudagraph_mode is not None:
+            extra.setdefault("compilation_config", {})["cudagraph_mode"] = self.cudagraph_mode.upper()
         config = read_config(model_path)
         vl = is_vision_language(config)
         if self.language_model_only if self.language_model_only is not None else vl:
@@ -217,6 +230,7 @@ class Sampler:
                 max_model_len=engine.max_model_len or max(rollout.max_trajectory_tokens, evaluation.max_trajectory_tokens),
                 enable_sleep_mode=engine.sleep_mode,
                 enforce_eager=engine.enforce_eager,
+                enable_prefix_caching=engine.prefix_caching,
                 dtype="bfloat16",
                 seed=seed + rank,
                 lora_rank=policy.lora.rank if engine.weight_sync == "lora" else None,

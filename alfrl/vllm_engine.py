@@ -295,10 +295,10 @@ class VLLMEngine:
             from vllm.device_allocator.cumem import CuMemAllocator
 
             kept = keep_across_sleep(CuMemAllocator.get_instance().pointer_to_data, self._kv_cache_ranges())
-            if kept != self._kept_bytes:
-                self._kept_bytes = kept
+            if kept:  # retagged once: later sleeps find them kept already
+                self._kept_bytes += kept
                 log.info("vLLM sleep: %.1f MiB of engine buffers allocated beside the KV cache are backed up with the weights",
-                         kept / 2**20)
+                         self._kept_bytes / 2**20)
             free = torch.cuda.mem_get_info()[0]
             self.llm.sleep(level=1)
             self._asleep = True

@@ -228,20 +228,27 @@ adapter_eval() {  # adapter_eval NAME OVERRIDES...: the staged adapter's 274-gam
     --profile-steps "${PROFILE_STEPS:-$PROFILE_DEFAULT}" "${EVAL_BENCH[@]}" "$@"
 }
 
-q35_figures() {  # the reference recipe on the random Qwen3.5-4B-structure checkpoint: one update, then its evaluation
+q35_recipe() {  # the reference recipe as it is, its loggers CSV only: SwanLab is not in the offline kit, and a recipe naming a
+  # logger class that cannot be imported fails before any --trainer.logger override applies (2026-12-01)
   while [ ! -f "$W/q35model.done" ]; do sleep 2; done
-  # the recipe as it is, its loggers CSV only: SwanLab is not in the offline kit, and a recipe naming a logger class that
-  # cannot be imported fails before any --trainer.logger override applies (2026-12-01)
   "$PY" -c "import sys, yaml; d = yaml.safe_load(open('$Q35')); d['trainer']['logger'] = [{'class_path': 'lightning.pytorch.loggers.CSVLogger',
     'init_args': {'save_dir': '\${trainer.default_root_dir}', 'name': 'csv'}}]; yaml.safe_dump(d, open('$W/q35.yaml', 'w'), sort_keys=False)"
+}
+
+q35_fit_run() {  # q35_fit_run NAME ROOT [OVERRIDES...]: one update of the reference recipe on the random checkpoint
+  local name=$1 root=$2; shift 2
+  timed "$name" timeout $T_Q35 "${ALFRL[@]}" fit --config "$W/q35.yaml" --model.model_name $Q35_MODEL "${Q35_ARGS[@]}" --trainer.max_steps 1 \
+    --trainer.default_root_dir "$root" --data.rollout.max_assistant_tokens 100 \
+    --weight_sync.canary_at_step 1 --checkpoint.save_every 1 --progress_bar.refresh_rate 0 "$@"
+}
+
+q35_figures() {  # the reference recipe on the random Qwen3.5-4B-structure checkpoint: one update, then its evaluation
+  q35_recipe
   local try q35_extra
-  # Q35_EXTRA: more recipe overrides for the fit and its evaluation, e.g. "--data.engine.sleep_mode false
-  # --data.engine.gpu_memory_utilization 0.35" should the engine score NaN after a wake-up again
+  # Q35_EXTRA: more recipe overrides for the fit and its evaluation, e.g. "--data.engine.cudagraph_mode piecewise"
   read -ra q35_extra <<< "${Q35_EXTRA:-}"
   for try in 1 2; do
-    timed q35_fit timeout $T_Q35 "${ALFRL[@]}" fit --config "$W/q35.yaml" --model.model_name $Q35_MODEL "${Q35_ARGS[@]}" --trainer.max_steps 1 \
-      --trainer.default_root_dir "$RUN/q35" --data.rollout.max_assistant_tokens 100 \
-      --weight_sync.canary_at_step 1 --checkpoint.save_every 1 --progress_bar.refresh_rate 0 "${q35_extra[@]}" && break
+    q35_fit_run q35_fit "$RUN/q35" "${q35_extra[@]}" && break
     # 2026-12-02: 1 of 3 engine starts of this checkpoint on a fresh H200 died at the first prefill with a CUDA illegal
     # instruction (a process cannot go on after one); started again once, the first log kept
     grep -q "illegal instruction" "$W/logs/q35_fit.log" && [ "$try" = 1 ] || break
@@ -249,6 +256,23 @@ q35_figures() {  # the reference recipe on the random Qwen3.5-4B-structure check
   done
   timed q35_eval timeout $T_Q35_EVAL "${ALFRL[@]}" eval --config "$W/q35.yaml" --model.model_name $Q35_MODEL "${Q35_EVAL[@]}" --limit-per-split 2 \
     --data.eval.max_assistant_tokens 100 --adapter "$RUN/q35/checkpoints/last" --out "$RUN/q35_eval.jsonl" "${q35_extra[@]}"
+}
+
+q35_variants() {  # Q35_VARIANTS="OVERRIDES;OVERRIDES;...": one short update each (Q35_VARIANT_STEPS environment steps, default 10),
+  # one process after another; results/q35_variants.txt says which stopped on a NaN probe after the wake-up or a CUDA error
+  q35_recipe
+  local i=0 v a rc verdict
+  IFS=';' read -ra variants <<< "${Q35_VARIANTS:-}"
+  for v in "${variants[@]}"; do
+    read -ra a <<< "$v"
+    q35_fit_run "q35_variant$i" "$RUN/q35_variant$i" --data.rollout.max_episode_steps "${Q35_VARIANT_STEPS:-10}" "${a[@]}"; rc=$?
+    verdict=passed
+    [ $rc = 0 ] || verdict=failed
+    grep -q "NonFiniteProbeError" "$W/logs/q35_variant$i.log" && verdict="NaN probe"
+    grep -q "illegal memory access\|illegal instruction" "$W/logs/q35_variant$i.log" && verdict="CUDA error"
+    echo "variant $i rc=$rc $verdict: ${v:-(the recipe as it is)}" >> "$W/results/q35_variants.txt"
+    i=$((i + 1))
+  done
 }
 
 rl_fit() {  # rl_fit STEPS MAX_SECONDS [ARGS...]: the RL run into $RUN/rl, a checkpoint after every update
@@ -365,6 +389,28 @@ case "${1:-}" in
     timed random_q35_4layers "${ALFRL[@]}" random-model --shape "$Q35_SHAPE" --layers 4 --out "$W/q35-4layers" &&
       timed sleep_probe "$PY" bench/sleep_probe.py --model "$W/q35-4layers" --out "$W/results/sleep_probe.json" "${PROBE_ARGS[@]}"
     touch "$W/sleep_probe.done"; log "sleep probe done" ;;
+  q35)  # after `start` ran the Qwen3.5 part: that part alone again (its first logs and run kept beside), e.g. with Q35_EXTRA
+    cp "$0" "$W/campaign.sh"; rm -f "$W/q35.done"; ALFRL_REPO=$REPO setsid nohup bash "$W/campaign.sh" _q35 > "$W/logs/q35_job.log" 2>&1 < /dev/null &
+    log "q35 started again" ;;
+  _q35)
+    n=$(ls -d "$RUN"/q35_try* 2>/dev/null | wc -l)
+    [ -d "$RUN/q35" ] && mv "$RUN/q35" "$RUN/q35_try$n"
+    for f in q35_fit q35_eval; do [ -f "$W/logs/$f.log" ] && mv "$W/logs/$f.log" "$W/logs/${f}_try$n.log"; done
+    q35_figures; touch "$W/q35.done"; log "q35 done" ;;
+  q35-variants)  # after install and `stage .gpu-cache/..`: the random Qwen3.5-4B checkpoint, then q35_variants, in the background
+    [ "$DRY" = 1 ] || { mkdir -p /tmp/gpu-data && cp -r .gpu-data/. /tmp/gpu-data/; }
+    cp "$0" "$W/campaign.sh"; ALFRL_REPO=$REPO setsid nohup bash "$W/campaign.sh" _q35-variants > "$W/logs/q35_variants_job.log" 2>&1 < /dev/null &
+    log "q35 variants started" ;;
+  _q35-variants)
+    if ls /tmp/cache-stage/caches.tgz.part* > /dev/null 2>&1 && [ ! -d "$W/cache" ]; then
+      mkdir -p "$W/cache" && cat /tmp/cache-stage/caches.tgz.part* | tar -xzf - -C "$W/cache" && log "compiler caches restored"
+    fi
+    if [ "$DRY" != 1 ]; then
+      while [ ! -f "$W/install.done" ]; do sleep 2; done
+      "${ALFRL[@]}" data prepare --data-dir .cache/alfworld --archive /tmp/gpu-data/json_2.1.1.tar.xz || exit 1
+    fi
+    [ -f "$W/q35model.done" ] || { timed random_q35 "${ALFRL[@]}" random-model --shape $Q35_SHAPE --out $Q35_MODEL && touch "$W/q35model.done"; }
+    q35_variants; touch "$W/q35_variants.done"; log "q35 variants done" ;;
   start)  # carry .gpu-data (the games archive, the expert trajectories): copied before the call ends
     [ "$DRY" = 1 ] || { mkdir -p /tmp/gpu-data && cp -r .gpu-data/. /tmp/gpu-data/; }
     cp "$0" "$W/campaign.sh"; ALFRL_REPO=$REPO setsid nohup bash "$W/campaign.sh" _start > "$W/logs/start.log" 2>&1 < /dev/null &
@@ -406,7 +452,8 @@ print(int(c['callbacks'].get('Timer', {}).get('time_elapsed', {}).get('train', 0
     bench_lane; touch "$W/bench_lane.done"; log "bench done" ;;
   wait)  # wait N [bench|sleep-probe]: until the learning job (or the bench, or the sleep probe) is done or N seconds pass; then pack what there is
     end=$(( $(date +%s) + ${2:-540} )); mark=$W/all.done; [ "${3:-}" = bench ] && mark=$W/bench_lane.done
-    [ "${3:-}" = sleep-probe ] && mark=$W/sleep_probe.done
+    [ "${3:-}" = sleep-probe ] && mark=$W/sleep_probe.done; [ "${3:-}" = q35 ] && mark=$W/q35.done
+    [ "${3:-}" = q35-variants ] && mark=$W/q35_variants.done
     while [ "$(date +%s)" -lt "$end" ] && [ ! -f "$mark" ]; do sleep 5; done
     pack > /dev/null
     tail -n 30 "$W/logs/campaign.log"; cat "$W/results/times.txt" 2>/dev/null

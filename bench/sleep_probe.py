@@ -107,6 +107,7 @@ def run_cycles(engine, allocations: dict, policy, optimizer, probe: list[int], b
                 for address, data in allocations.items():
                     data.tag = tags.get(address, data.tag)
                 vllm_engine.keep_across_sleep = lambda allocations, kv_ranges: 0
+                engine._kept_bytes = 0
             start = time.perf_counter()
             engine.sleep()
             poisoned = poison()

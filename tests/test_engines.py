@@ -101,6 +101,10 @@ def test_the_cuda_graph_size_reaches_vllm_and_is_checked(tiny_model_dir):
     assert extra == {"compilation_config": {"max_cudagraph_capture_size": 2048}}
     assert "compilation_config" not in EngineConfig(kind="vllm").vllm_extra(tiny_model_dir)  # vLLM's default
     assert EngineConfig(cudagraph_max_tokens=0).problems() == ["data.engine.cudagraph_max_tokens=0 must be >= 1 (or null for vLLM's default)"]
+    both = EngineConfig(kind="vllm", cudagraph_max_tokens=2048, cudagraph_mode="piecewise").vllm_extra(tiny_model_dir)
+    assert both == {"compilation_config": {"max_cudagraph_capture_size": 2048, "cudagraph_mode": "PIECEWISE"}}
+    assert EngineConfig(cudagraph_mode="fast").problems() == [
+        "data.engine.cudagraph_mode='fast' is not one of none, piecewise, full, full_decode_only, full_and_piecewise (or null for vLLM's)"]
 
 
 class StandInLora(SimpleNamespace):
@@ -255,5 +259,31 @@ def test_the_sleep_probe_runs_its_four_cycles_through_the_engines_own_sleep_and_
     assert allocations[kv.data_ptr()].tag == "kv_cache" and allocations[9].tag == "weights"
     assert calls.count("remove") == 2 and calls.count("deactivate") == 2
     assert out["kept, adapter in place"]["first_after_wake"]["non_finite"] == 1
+    assert out["kept, adapter in place"]["kept_mib"] == 64 / 2**20  # kept since the first sleep, still counted
     assert out["kept, adapter registered"]["first_after_wake"] == {"non_finite": 0, "tokens": 3, "max_abs_diff_finite": 0.0}
     assert vllm_engine.keep_across_sleep is keep
+
+
+def test_the_recipes_vllm_settings_reach_the_engine(monkeypatch, tiny_model_dir):
+    """Sampler.build hands the recipe's vLLM settings to VLLMEngine (a stand-in here: no vLLM on the CPU)."""
+    import sys
+    from types import ModuleType
+
+    from alfrl.evaluation import EvalConfig
+    from alfrl.policy import AlfrlPolicy
+    from alfrl.ppo import LoRAConfig
+    from alfrl.rewards import RewardConfig
+    from alfrl.rollout import RolloutConfig
+    from alfrl.sampler import EngineConfig, EnvConfig, Sampler
+
+    seen = {}
+    stand_in = ModuleType("alfrl.vllm_engine")
+    stand_in.VLLMEngine = lambda path, **kwargs: seen.update(kwargs, path=path) or object()
+    monkeypatch.setitem(sys.modules, "alfrl.vllm_engine", stand_in)
+    policy = AlfrlPolicy(model_name=tiny_model_dir, dtype="float32", lora=LoRAConfig(rank=8, alpha=16))
+    engine = EngineConfig(kind="vllm", sleep_mode=True, enforce_eager=True, prefix_caching=False, cudagraph_mode="piecewise",
+                          gpu_memory_utilization=0.3)
+    Sampler.build(policy, RolloutConfig(max_trajectory_tokens=3000), RewardConfig(), engine, EnvConfig(), EvalConfig(), with_pool=False)
+    assert seen["enable_prefix_caching"] is False and seen["enable_sleep_mode"] is True and seen["enforce_eager"] is True
+    assert seen["gpu_memory_utilization"] == 0.3 and seen["lora_rank"] == 8
+    assert seen["extra"]["compilation_config"] == {"cudagraph_mode": "PIECEWISE"}
