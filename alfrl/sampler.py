@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -193,6 +193,8 @@ class RolloutResult:
     stats: RolloutStats
     sleep_freed_gib: float | None = None
     """GPU memory the engine's sleep handed to the trainer after this rollout (vLLM sleep mode; else None)."""
+    engine_check: dict[str, float] = field(default_factory=dict)
+    """The engine's probe scored after the rollout against right after the last sync (``WeightSync.check_engine``)."""
 
 
 class Sampler:
@@ -251,8 +253,10 @@ class Sampler:
         runner = self.runner()
         groups = runner.run(games, group_size, seed, progress)
         counters = self.engine.counters().minus(before)
+        # the engine scores the sync's probe as right after the last sync, before it sleeps (one short prefill)
+        engine_check = self._sync.check_engine("after the rollout") if self._sync is not None else {}
         self.engine.sleep()
-        return RolloutResult(groups, counters, runner.stats, getattr(self.engine, "sleep_freed_gib", None))
+        return RolloutResult(groups, counters, runner.stats, getattr(self.engine, "sleep_freed_gib", None), engine_check)
 
     # ------------------------------------------------------------ weights
     def probe_ids(self) -> list[int]:

@@ -82,6 +82,8 @@ class WeightSync:
         self.floor: float | None = None
         self.first: tuple[list[float], list[float]] | None = None
         """Engine and trainer probe log-probs at the first sync."""
+        self.last_engine: list[float] | None = None
+        """The engine's probe log-probs right after the last sync (no weights pushed since)."""
         self.cross = 0.0
         """Running sums over the syncs above the noise floor: sum(d_e d_t) and sum(d_t d_t)."""
         self.norm = 0.0
@@ -147,7 +149,27 @@ class WeightSync:
             if change >= NOISE_FACTOR * self.floor:
                 self._check_response(policy.weight_version, change, cross, norm, metrics)
         self.last_trainer = trainer
+        self.last_engine = after
         return metrics
+
+    def check_engine(self, when: str) -> dict[str, float]:
+        """Score the probe again with no weights pushed since the last sync: it must come out as it did then.
+
+        Returns ``engine/probe_drift`` (the largest change of a finite log-prob) and ``engine/probe_non_finite``;
+        raises ``NonFiniteProbeError`` when a log-prob is not finite: the engine computed garbage ``when`` (e.g. "after
+        the rollout", which then sampled from it). On the H200 the random Qwen3.5-4B's engine scored NaN after a
+        wake-up; this says whether it already did before the sleep. Nothing to compare before the first sync."""
+        if not self.check or self.last_engine is None or self.engine.shares_policy:
+            return {}
+        scores = self.engine.score(self.probe)
+        bad = sum(not math.isfinite(x) for x in scores)
+        drift = max((abs(a - b) for a, b in zip(scores, self.last_engine) if math.isfinite(a) and math.isfinite(b)), default=0.0)
+        if bad:
+            raise NonFiniteProbeError(
+                f"{when}, {bad} of the {self.engine.name} engine's {len(scores)} probe log-probs are not finite although no "
+                "weights were pushed since the last sync (when they were): the engine computes garbage"
+            )
+        return {"engine/probe_drift": drift, "engine/probe_non_finite": float(bad)}
 
     def canary(self, policy) -> dict:
         """A sync that skips the push, tried on a copy of this sync's state (this one is left as it was):

@@ -160,3 +160,20 @@ def test_a_skipped_sync_under_the_noise_floor_is_still_caught_when_the_engine_di
         sync.sync(policy, push=False)
     real = sync.sync(policy)
     assert "sync/engine_response_running" not in real and real["sync/engine_response"] == pytest.approx(1.0, abs=1e-3)
+
+
+def test_the_engine_is_checked_after_a_rollout_against_its_last_sync(setup):
+    """check_engine: nothing before the first sync; then the probe as right after the sync (drift 0, even with the trainer
+    moved: no push); a NaN engine raises naming when."""
+    policy, engine, probe, _ = setup
+    sync = WeightSync(engine, probe, tolerance=0.1, min_response=0.5)
+    assert sync.check_engine("after the rollout") == {}
+    sync.sync(policy)
+    _train(policy, 9)  # the trainer moves; the engine (a separate copy) must not
+    assert sync.check_engine("after the rollout") == {"engine/probe_drift": 0.0, "engine/probe_non_finite": 0.0}
+    score = engine.score
+    engine.score = lambda ids: [x + 0.5 for x in score(ids)[:-1]] + [float("inf")]
+    with pytest.raises(NonFiniteProbeError, match="after the rollout, 1 of the hf engine's"):
+        sync.check_engine("after the rollout")
+    engine.score = lambda ids: [x + 0.5 for x in score(ids)]
+    assert sync.check_engine("after the rollout")["engine/probe_drift"] == pytest.approx(0.5)
