@@ -49,6 +49,13 @@
 #   bash bench/gpu_campaign.sh stage .gpu-cache/k01 && bash bench/gpu_campaign.sh sleep-probe   # ~150 s, alone on the GPU
 #   bash bench/gpu_campaign.sh wait 240 sleep-probe      # results.tgz: results/sleep_probe.json, logs/sleep_probe.log
 # then `start` as below (the probe must end first: both need most of the GPU).
+#
+# Which engine setting keeps Qwen3.5's engine finite (2026-12-02, third lease: NaN after the wake-up with CUDA graphs, an
+# illegal memory access without sleep mode, eager clean in a short step): after install,
+#   bash bench/gpu_campaign.sh stage .gpu-cache/k01 && Q35_VARIANTS=";--data.engine.cudagraph_mode piecewise;--data.engine.prefix_caching false" \
+#     bash bench/gpu_campaign.sh q35-variants                # carry .gpu-data; one short fit (10 environment steps) per variant
+#   bash bench/gpu_campaign.sh wait 540 q35-variants           # results/q35_variants.txt: passed / NaN probe / CUDA error per variant
+# then the full step with what passed: Q35_EXTRA="..." bash bench/gpu_campaign.sh q35; bash bench/gpu_campaign.sh wait 540 q35
 # DRY=1 runs the same script on a CPU with the tiny model (HF engine, 2 games per split) to check it.
 set -uo pipefail
 cd "${ALFRL_REPO:-$(dirname "$0")/..}"
