@@ -150,6 +150,9 @@ class RolloutDataModule(L.LightningDataModule):
         if scan.warning():
             log.warning(scan.warning())
         self.train_games = shuffled(scan.games, self.seed)
+        if self.reward.noise > 0:
+            log.warning("data.reward.noise=%s: every trajectory's reward carries random noise (a pipeline check on weights that "
+                        "never win, not a learning run)", self.reward.noise)
         self.connect(self.trainer.lightning_module)
         bar = getattr(self.trainer, "progress_bar_callback", None)
         if bar is not None and hasattr(bar, "rollout_progress"):

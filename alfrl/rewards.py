@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+import random
+import zlib
 from dataclasses import dataclass
 
 REWARD_KINDS = ("episode", "stepwise")
@@ -28,6 +30,10 @@ class RewardConfig:
     """Subtracted once per invalid action."""
     gamma: float = 0.95
     """Discount of step returns (used by gigpo, hgpo and stepwise rewards)."""
+    noise: float = 0.0
+    """Standard deviation of Gaussian noise added to each trajectory's reward (on its last step), seeded by the rollout's
+    seed, the game and the trajectory. For checking the pipeline on weights that never win: a random checkpoint gives
+    every trajectory of a group the same reward, so no group has an advantage and nothing trains. Keep 0 to learn."""
 
     def problems(self, prefix: str = "data.reward") -> list[str]:
         out = []
@@ -37,7 +43,16 @@ class RewardConfig:
             out.append(f"{prefix}.invalid_penalty={self.invalid_penalty} must be >= 0 (it is subtracted)")
         if not 0.0 <= self.gamma <= 1.0:
             out.append(f"{prefix}.gamma={self.gamma} must be in [0, 1]")
+        if self.noise < 0:
+            out.append(f"{prefix}.noise={self.noise} must be >= 0 (0: no noise, the setting for learning runs)")
         return out
+
+
+def reward_noise(cfg: RewardConfig, seed: int, game_id: str, index: int) -> float:
+    """The noise ``cfg.noise`` adds to trajectory ``index`` of ``game_id`` in the rollout with ``seed`` (0.0 when off)."""
+    if cfg.noise <= 0:
+        return 0.0
+    return random.Random(zlib.crc32(f"{seed}|{game_id}|{index}|reward-noise".encode())).gauss(0.0, cfg.noise)
 
 
 def step_rewards(won_at: int | None, invalid: list[bool], cfg: RewardConfig) -> list[float]:

@@ -32,7 +32,7 @@ from alfrl.context import CONTEXT_MODES, LiveTrajectory, make_context
 from alfrl.engines import Completion, Engine, SamplingRequest
 from alfrl.envs import EnvFailure, EnvGroup, EnvOp, EnvPool, EnvState, GroupStartMismatch, check_same_start
 from alfrl.games import Game
-from alfrl.rewards import RewardConfig, episode_reward, step_rewards
+from alfrl.rewards import RewardConfig, episode_reward, reward_noise, step_rewards
 from alfrl.types import STOP_REASONS, RolloutProgress, Trajectory, TrajectoryGroup, Turn
 
 log = logging.getLogger(__name__)
@@ -258,11 +258,15 @@ class RolloutRunner:
             return
         self.context.accept_prompt(t, next_prompt)
 
-    def _finish(self, group: EnvGroup, lives: list[LiveTrajectory], failed: str | None) -> TrajectoryGroup:
+    def _finish(self, group: EnvGroup, lives: list[LiveTrajectory], failed: str | None, seed: int = 0) -> TrajectoryGroup:
         trajectories = []
         for t in lives:
             invalid = [turn.invalid for turn in t.turns]
             won = t.won_at is not None
+            steps = step_rewards(t.won_at, invalid, self.reward)
+            noise = reward_noise(self.reward, seed, group.game.id, t.index) if steps else 0.0
+            if noise:
+                steps[-1] += noise
             trajectories.append(
                 Trajectory(
                     game_id=group.game.id,
@@ -275,8 +279,8 @@ class RolloutRunner:
                     won=won,
                     invalid_actions=sum(invalid),
                     stop_reason=t.stop_reason or "env_error",
-                    reward=episode_reward(won, sum(invalid), self.reward),
-                    step_rewards=tuple(step_rewards(t.won_at, invalid, self.reward)),
+                    reward=episode_reward(won, sum(invalid), self.reward) + noise,
+                    step_rewards=tuple(steps),
                     sequences=self.context.sequences(t),
                 )
             )
@@ -362,7 +366,7 @@ class _Play:
 
     def finished_group(self, gi: int) -> TrajectoryGroup:
         if gi not in self.finished:
-            self.finished[gi] = self.r._finish(self.groups[gi], self.lives.get(gi, []), self.failures.get(gi))
+            self.finished[gi] = self.r._finish(self.groups[gi], self.lives.get(gi, []), self.failures.get(gi), self.seed)
         return self.finished[gi]
 
     def start_groups(self) -> None:

@@ -255,7 +255,9 @@ q35_figures() {  # the reference recipe on the random Qwen3.5-4B-structure check
   # Q35_EXTRA: more recipe overrides for the fit and its evaluation, e.g. "--data.engine.cudagraph_mode piecewise"
   read -ra q35_extra <<< "${Q35_EXTRA:-}"
   for try in 1 2; do
-    q35_fit_run q35_fit "$RUN/q35" "${q35_extra[@]}" && break
+    # reward noise (Q35_REWARD_NOISE, default 0.5): random weights give every trajectory of a group the same reward, so
+    # without it nothing trains and the canary has nothing to catch (2026-12-02: 8 of 8 groups equal in a 10-step rollout)
+    q35_fit_run q35_fit "$RUN/q35" --data.reward.noise "${Q35_REWARD_NOISE:-0.5}" "${q35_extra[@]}" && break
     # 2026-12-02: 1 of 3 engine starts of this checkpoint on a fresh H200 died at the first prefill with a CUDA illegal
     # instruction (a process cannot go on after one); started again once, the first log kept
     grep -q "illegal instruction" "$W/logs/q35_fit.log" && [ "$try" = 1 ] || break

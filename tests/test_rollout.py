@@ -213,3 +213,26 @@ def test_stop_strings_cut_a_completion_after_its_action(valid_games, tiny_tokeni
         (group,) = RolloutRunner(engine, pool, fmt, cfg, RewardConfig()).run([game], 2, seed=0)
     assert all(t.won and t.invalid_actions == 0 for t in group.trajectories)
     assert all(turn.completion_text.endswith("</action>") for t in group.trajectories for turn in t.turns)
+
+
+def test_reward_noise_gives_a_group_of_equal_outcomes_advantages_reproducibly(valid_games, tiny_tokenizer):
+    """data.reward.noise (pipeline checks on weights that never win): equal play, different rewards, the same for the same
+    seed; the step rewards still sum to the reward; 0 changes nothing."""
+    from alfrl.rewards import reward_noise
+
+    game = next(g for g in valid_games if g.id == GAME)
+    fmt = chat_format(tiny_tokenizer, "tool_call")
+    cfg = RolloutConfig(max_episode_steps=2, max_trajectory_tokens=20000, max_assistant_tokens=200)
+    noisy = RewardConfig(noise=0.5)
+    with EnvPool(num_workers=2) as pool:
+        runs = [RolloutRunner(ScriptedEngine(fmt, [["look"] * 2] * 3), pool, fmt, cfg, reward).run([game], 3, seed=seed)[0]
+                for reward, seed in ((RewardConfig(), 7), (noisy, 7), (noisy, 7), (noisy, 8))]
+    plain, a, b, c = ([t.reward for t in g.trajectories] for g in runs)
+    assert plain == [0.0, 0.0, 0.0]
+    assert a == b and a != c and len(set(a)) == 3
+    assert a == pytest.approx([reward_noise(noisy, 7, game.id, i) for i in range(3)])
+    for t in runs[1].trajectories:
+        assert sum(t.step_rewards) == pytest.approx(t.reward)
+    assert make_samples([runs[0]], AdvantageConfig("grpo_mean"), RewardConfig()).samples == []  # degenerate: nothing trains
+    assert len(make_samples([runs[1]], AdvantageConfig("grpo_mean"), noisy).samples) == 3
+    assert RewardConfig(noise=-1).problems() == ["data.reward.noise=-1 must be >= 0 (0: no noise, the setting for learning runs)"]
