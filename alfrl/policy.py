@@ -289,7 +289,9 @@ class AlfrlPolicy(L.LightningModule):
         lightning_optimizer = self.optimizers() if optimizer is None else None
         raw_optimizer = lightning_optimizer.optimizer if lightning_optimizer is not None else optimizer
         world = self.trainer.world_size if attached else 1
-        self.prepare_training()
+        prepare_started = time.perf_counter()
+        self.prepare_training()  # before the first update: the linear-attention kernel's choice (a GPU check for Qwen3.5)
+        prepare_seconds = time.perf_counter() - prepare_started
         # torch's counts include a sleeping vLLM engine's memory pool (its pages unmapped, its blocks still counted:
         # 2026-12-01, 123.45 GiB of which ~106 GiB were the asleep engine's), so the update's own share is the
         # peak over what was allocated when it began
@@ -343,6 +345,7 @@ class AlfrlPolicy(L.LightningModule):
         all_diffs = torch.cat(diffs) if diffs else torch.zeros(0)
         peak = torch.cuda.max_memory_allocated(self.device) / 2**30 if self.device.type == "cuda" else 0.0
         return {
+            "prepare_seconds": prepare_seconds,
             "old_logprob_seconds": old_seconds,
             "update_seconds": time.perf_counter() - started - old_seconds,
             "sequence_tokens": float(sum(len(s) for s in samples)),

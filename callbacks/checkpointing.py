@@ -23,6 +23,7 @@ import errno
 import os
 import random
 import shutil
+import time
 from pathlib import Path
 
 import lightning as L
@@ -60,7 +61,9 @@ class Checkpointing(L.Callback):
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         if self.save_every and trainer.global_step % self.save_every == 0:
+            started = time.perf_counter()
             self.save(trainer, pl_module)
+            pl_module.log("checkpoint/seconds", time.perf_counter() - started, on_step=True, batch_size=1)
 
     def on_train_end(self, trainer: L.Trainer, pl_module) -> None:
         if trainer.global_step != self.last_saved_step and trainer.global_step > 0:

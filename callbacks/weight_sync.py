@@ -8,6 +8,7 @@ metrics. A failed check stops the run with ``WeightSyncError``.
 from __future__ import annotations
 
 import logging
+import time
 
 import lightning as L
 
@@ -38,6 +39,7 @@ class SamplerWeightSync(L.Callback):
         self.sync(trainer, pl_module)
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        started = time.perf_counter()
         canary = {}
         if self.check and self.canary_at_step and trainer.global_step == self.canary_at_step:
             canary = trainer.datamodule.sampler.weight_sync(self.check).canary(pl_module)
@@ -45,6 +47,7 @@ class SamplerWeightSync(L.Callback):
                         "caught" if canary["sync/canary_caught"] else "NOT caught", canary.get("sync/canary_message", ""))
         self.sync(trainer, pl_module)
         self.last.update({k: v for k, v in canary.items() if isinstance(v, float)})
+        self.last["sync/total_seconds"] = time.perf_counter() - started  # the engine's wake-up, the canary, push and checks
         for key, value in self.last.items():
             pl_module.log(key, value, on_step=True, batch_size=1)
 
