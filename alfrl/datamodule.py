@@ -215,7 +215,7 @@ class RolloutDataModule(L.LightningDataModule):
         metrics["rollout/submit_seconds"] = rollout.stats.submit_seconds
         if rollout.sleep_freed_gib is not None:
             metrics["engine/sleep_freed_gib"] = rollout.sleep_freed_gib
-        metrics.update(rollout.engine_check)
+        metrics.update(rollout.engine_metrics)
         batch = RolloutBatch(step=self.step, games=games, groups=rollout.groups, samples=result.samples,
                              metrics=self._reduce_metrics(metrics, rollout.groups), temperature=self.rollout.temperature)
         if self.save_rollouts:

@@ -193,7 +193,7 @@ class RolloutResult:
     stats: RolloutStats
     sleep_freed_gib: float | None = None
     """GPU memory the engine's sleep handed to the trainer after this rollout (vLLM sleep mode; else None)."""
-    engine_check: dict[str, float] = field(default_factory=dict)
+    engine_metrics: dict[str, float] = field(default_factory=dict)
     """The engine's probe scored after the rollout against right after the last sync (``WeightSync.check_engine``), and
     the seconds the engine took to fall asleep (``engine/sleep_seconds``, sleep mode only)."""
 
@@ -255,12 +255,12 @@ class Sampler:
         groups = runner.run(games, group_size, seed, progress)
         counters = self.engine.counters().minus(before)
         # the engine scores the sync's probe as right after the last sync, before it sleeps (one short prefill)
-        engine_check = self._sync.check_engine("after the rollout") if self._sync is not None else {}
+        engine_metrics = self._sync.check_engine("after the rollout") if self._sync is not None else {}
         slept = time.perf_counter()
         self.engine.sleep()
         if getattr(self.engine, "sleep_freed_gib", None) is not None:
-            engine_check["engine/sleep_seconds"] = time.perf_counter() - slept
-        return RolloutResult(groups, counters, runner.stats, getattr(self.engine, "sleep_freed_gib", None), engine_check)
+            engine_metrics["engine/sleep_seconds"] = time.perf_counter() - slept
+        return RolloutResult(groups, counters, runner.stats, getattr(self.engine, "sleep_freed_gib", None), engine_metrics)
 
     # ------------------------------------------------------------ weights
     def probe_ids(self) -> list[int]:

@@ -155,21 +155,20 @@ class WeightSync:
     def check_engine(self, when: str) -> dict[str, float]:
         """Score the probe again with no weights pushed since the last sync: it must come out as it did then.
 
-        Returns ``engine/probe_drift`` (the largest change of a finite log-prob) and ``engine/probe_non_finite``;
-        raises ``NonFiniteProbeError`` when a log-prob is not finite: the engine computed garbage ``when`` (e.g. "after
+        Returns ``engine/probe_drift`` (the largest change of a log-prob); raises ``NonFiniteProbeError`` when a log-prob
+        is not finite: the engine computed garbage ``when`` (e.g. "after
         the rollout", which then sampled from it). On the H200 the random Qwen3.5-4B's engine scored NaN after a
         wake-up; this says whether it already did before the sleep. Nothing to compare before the first sync."""
         if not self.check or self.last_engine is None or self.engine.shares_policy:
             return {}
         scores = self.engine.score(self.probe)
         bad = sum(not math.isfinite(x) for x in scores)
-        drift = max((abs(a - b) for a, b in zip(scores, self.last_engine) if math.isfinite(a) and math.isfinite(b)), default=0.0)
         if bad:
             raise NonFiniteProbeError(
                 f"{when}, {bad} of the {self.engine.name} engine's {len(scores)} probe log-probs are not finite although no "
                 "weights were pushed since the last sync (when they were): the engine computes garbage"
             )
-        return {"engine/probe_drift": drift, "engine/probe_non_finite": float(bad)}
+        return {"engine/probe_drift": max((abs(a - b) for a, b in zip(scores, self.last_engine)), default=0.0)}
 
     def canary(self, policy) -> dict:
         """A sync that skips the push, tried on a copy of this sync's state (this one is left as it was):
