@@ -265,6 +265,7 @@ q35_figures() {  # the reference recipe on the random Qwen3.5-4B-structure check
   done
   timed q35_eval timeout $T_Q35_EVAL "${ALFRL[@]}" eval --config "$W/q35.yaml" --model.model_name $Q35_MODEL "${Q35_EVAL[@]}" --limit-per-split 2 \
     --data.eval.max_assistant_tokens 100 --adapter "$RUN/q35/checkpoints/last" --out "$RUN/q35_eval.jsonl" "${q35_extra[@]}"
+  touch "$W/q35.done"   # `wait N q35` ends here (the 1.5B part of `start` may still wait for its model)
 }
 
 q35_variants() {  # Q35_VARIANTS="OVERRIDES;OVERRIDES;...": one short update each (Q35_VARIANT_STEPS environment steps, default 10),
@@ -405,7 +406,7 @@ case "${1:-}" in
     n=$(ls -d "$RUN"/q35_try* 2>/dev/null | wc -l)
     [ -d "$RUN/q35" ] && mv "$RUN/q35" "$RUN/q35_try$n"
     for f in q35_fit q35_eval; do [ -f "$W/logs/$f.log" ] && mv "$W/logs/$f.log" "$W/logs/${f}_try$n.log"; done
-    q35_figures; touch "$W/q35.done"; log "q35 done" ;;
+    q35_figures; log "q35 done" ;;
   q35-variants)  # after install and `stage .gpu-cache/..`: the random Qwen3.5-4B checkpoint, then q35_variants, in the background
     [ "$DRY" = 1 ] || { mkdir -p /tmp/gpu-data && cp -r .gpu-data/. /tmp/gpu-data/; }
     cp "$0" "$W/campaign.sh"; ALFRL_REPO=$REPO setsid nohup bash "$W/campaign.sh" _q35-variants > "$W/logs/q35_variants_job.log" 2>&1 < /dev/null &
