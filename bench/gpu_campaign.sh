@@ -330,8 +330,10 @@ report() {
 }
 
 pack() {  # results (small) and the trajectories (gzipped) into $OUT
+  local p d v f
   cp "$W/logs/campaign.log" "$W/results/" 2>/dev/null
-  for d in sft rl fit_15b q35; do for v in "$RUN/$d"/csv/version_*; do [ -f "$v/metrics.csv" ] && cp "$v/metrics.csv" "$W/results/${d}_metrics_$(basename "$v").csv"; done; done
+  for p in "$RUN"/{sft,rl,fit_15b,q35,q35_try*,q35_variant*}; do d=$(basename "$p")
+    for v in "$p"/csv/version_*; do [ -f "$v/metrics.csv" ] && cp "$v/metrics.csv" "$W/results/${d}_metrics_$(basename "$v").csv"; done; done
   tar -czf "$OUT/results.tgz" -C "$W" results logs 2>/dev/null
   for f in "$RUN"/*.jsonl; do [ -f "$f" ] && gzip -c "$f" > "$OUT/$(basename "$f").gz"; done
   ls -la "$OUT"
@@ -460,7 +462,7 @@ print(int(c['callbacks'].get('Timer', {}).get('time_elapsed', {}).get('train', 0
   _bench)
     while pgrep -f "alfrl.cl[i] " > /dev/null; do sleep 3; done
     bench_lane; touch "$W/bench_lane.done"; log "bench done" ;;
-  wait)  # wait N [bench|sleep-probe]: until the learning job (or the bench, or the sleep probe) is done or N seconds pass; then pack what there is
+  wait)  # wait N [bench|sleep-probe|q35|q35-variants]: until the learning job (or that part) is done or N seconds pass; then pack what there is
     end=$(( $(date +%s) + ${2:-540} )); mark=$W/all.done; [ "${3:-}" = bench ] && mark=$W/bench_lane.done
     [ "${3:-}" = sleep-probe ] && mark=$W/sleep_probe.done; [ "${3:-}" = q35 ] && mark=$W/q35.done
     [ "${3:-}" = q35-variants ] && mark=$W/q35_variants.done
