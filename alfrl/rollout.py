@@ -258,7 +258,7 @@ class RolloutRunner:
             return
         self.context.accept_prompt(t, next_prompt)
 
-    def _finish(self, group: EnvGroup, lives: list[LiveTrajectory], failed: str | None, seed: int = 0) -> TrajectoryGroup:
+    def _finish(self, group: EnvGroup, lives: list[LiveTrajectory], failed: str | None, seed: int) -> TrajectoryGroup:
         trajectories = []
         for t in lives:
             invalid = [turn.invalid for turn in t.turns]

@@ -258,9 +258,10 @@ class Sampler:
         engine_metrics = self._sync.check_engine("after the rollout") if self._sync is not None else {}
         slept = time.perf_counter()
         self.engine.sleep()
-        if getattr(self.engine, "sleep_freed_gib", None) is not None:
+        freed = getattr(self.engine, "sleep_freed_gib", None)  # None: the engine does not sleep
+        if freed is not None:
             engine_metrics["engine/sleep_seconds"] = time.perf_counter() - slept
-        return RolloutResult(groups, counters, runner.stats, getattr(self.engine, "sleep_freed_gib", None), engine_metrics)
+        return RolloutResult(groups, counters, runner.stats, freed, engine_metrics)
 
     # ------------------------------------------------------------ weights
     def probe_ids(self) -> list[int]:

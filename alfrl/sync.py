@@ -156,9 +156,9 @@ class WeightSync:
         """Score the probe again with no weights pushed since the last sync: it must come out as it did then.
 
         Returns ``engine/probe_drift`` (the largest change of a log-prob); raises ``NonFiniteProbeError`` when a log-prob
-        is not finite: the engine computed garbage ``when`` (e.g. "after
-        the rollout", which then sampled from it). On the H200 the random Qwen3.5-4B's engine scored NaN after a
-        wake-up; this says whether it already did before the sleep. Nothing to compare before the first sync."""
+        is not finite: the engine computed garbage ``when`` (e.g. "after the rollout", which then sampled from it). On
+        the H200 the random Qwen3.5-4B's engine scored NaN after a wake-up; this says whether it already did before the
+        sleep. Nothing to compare before the first sync."""
         if not self.check or self.last_engine is None or self.engine.shares_policy:
             return {}
         scores = self.engine.score(self.probe)

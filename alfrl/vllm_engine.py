@@ -38,8 +38,9 @@ def keep_across_sleep(allocations: dict, kv_ranges: list[tuple[int, int]]) -> in
     wake-up although its KV cache had been zeroed; the Qwen2.5 models, whose input batch vLLM builds before the
     cache (one group of its default block size), never did. These buffers were suspected (from vLLM 0.26's
     source); ``bench/sleep_probe.py`` on a 4-layer Qwen3.5-4B then did not reproduce the NaN with them kept or
-    dropped (2 MiB of them), so the cause is still open. Kept, they come back as they were (what a wake-up
-    should give); the cache pages are zeroed at wake-up. A segment that holds a cache page is never kept (it
+    dropped (2 MiB of them), and the next fit scored NaN with them kept: they are not the NaN's cause (with CUDA
+    graphs the engine goes wrong with or without sleep). Kept, they come back as they were (what a wake-up should
+    give); the cache pages are zeroed at wake-up. A segment that holds a cache page is never kept (it
     would copy the whole cache).
     """
     kept = 0
@@ -311,10 +312,9 @@ class VLLMEngine:
             self._zero_kv_cache()
             if self._lora_model is not None:
                 # the adapter served before the sleep, registered again under a new id exactly as a push does
-                # (its tensors shared, not copied), which resets the prefix cache. On the H200 (2026-12-01) the
-                # random Qwen3.5-4B scored the probe as NaN at each scoring after a wake-up (the prefix cache may
-                # have served the first result again) until a push re-registered the adapter and reset the cache;
-                # re-activating the adapter in place, as this did then, had not helped. Not run on a GPU yet.
+                # (its tensors shared, not copied), which resets the prefix cache. On the H200 (2026-12-02, third
+                # lease) the random Qwen3.5-4B still scored NaN after a wake-up with this: it is not that fix (with
+                # CUDA graphs the engine goes wrong with or without sleep; bench/README.md).
                 lora_id = self._next_lora_id
                 self._next_lora_id += 1
                 self._register(self._lora_model.clone(lora_id), f"{self._lora.lora_name}-woken-{lora_id}")

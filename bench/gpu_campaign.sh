@@ -235,6 +235,14 @@ adapter_eval() {  # adapter_eval NAME OVERRIDES...: the staged adapter's 274-gam
     --profile-steps "${PROFILE_STEPS:-$PROFILE_DEFAULT}" "${EVAL_BENCH[@]}" "$@"
 }
 
+restore_caches() {  # an earlier lease's compiler caches (`caches`, staged from .gpu-cache), checked, once per machine
+  ls /tmp/cache-stage/caches.tgz.part* > /dev/null 2>&1 && [ ! -f "$W/cache.restored" ] || return 0
+  if [ "$(cat /tmp/cache-stage/caches.tgz.part* | sha256sum | cut -d' ' -f1)" = "$(cat /tmp/cache-stage/caches.tgz.sha256)" ]; then
+    mkdir -p "$W/cache" && cat /tmp/cache-stage/caches.tgz.part* | tar -xzf - -C "$W/cache" && touch "$W/cache.restored" \
+      && log "compiler caches restored ($(du -sh "$W/cache" | cut -f1))"
+  else log "compiler caches not restored: checksum mismatch (stage every .gpu-cache folder)"; fi
+}
+
 q35_recipe() {  # the reference recipe as it is, its loggers CSV only: SwanLab is not in the offline kit, and a recipe naming a
   # logger class that cannot be imported fails before any --trainer.logger override applies (2026-12-01)
   while [ ! -f "$W/q35model.done" ]; do sleep 2; done
@@ -391,9 +399,7 @@ case "${1:-}" in
     cp "$0" "$W/campaign.sh"; ALFRL_REPO=$REPO setsid nohup bash "$W/campaign.sh" _sleep-probe > "$W/logs/sleep_probe_job.log" 2>&1 < /dev/null &
     log "sleep probe started" ;;
   _sleep-probe)
-    if ls /tmp/cache-stage/caches.tgz.part* > /dev/null 2>&1; then
-      mkdir -p "$W/cache" && cat /tmp/cache-stage/caches.tgz.part* | tar -xzf - -C "$W/cache" && log "compiler caches restored"
-    fi
+    restore_caches
     # SLEEP_PROBE_ARGS: bench/sleep_probe.py's options (default --adapter: the trainer's adapter served and trained
     # between sleep and wake-up, as in `alfrl fit`; add --eager for a faster engine start)
     if [ "$DRY" = 1 ]; then PROBE_ARGS=(--dry --probe-tokens 50 --adapter)
@@ -414,9 +420,7 @@ case "${1:-}" in
     cp "$0" "$W/campaign.sh"; ALFRL_REPO=$REPO setsid nohup bash "$W/campaign.sh" _q35-variants > "$W/logs/q35_variants_job.log" 2>&1 < /dev/null &
     log "q35 variants started" ;;
   _q35-variants)
-    if ls /tmp/cache-stage/caches.tgz.part* > /dev/null 2>&1 && [ ! -d "$W/cache" ]; then
-      mkdir -p "$W/cache" && cat /tmp/cache-stage/caches.tgz.part* | tar -xzf - -C "$W/cache" && log "compiler caches restored"
-    fi
+    restore_caches
     if [ "$DRY" != 1 ]; then
       while [ ! -f "$W/install.done" ]; do sleep 2; done
       "${ALFRL[@]}" data prepare --data-dir .cache/alfworld --archive /tmp/gpu-data/json_2.1.1.tar.xz || exit 1
@@ -428,11 +432,7 @@ case "${1:-}" in
     cp "$0" "$W/campaign.sh"; ALFRL_REPO=$REPO setsid nohup bash "$W/campaign.sh" _start > "$W/logs/start.log" 2>&1 < /dev/null &
     log "started" ;;
   _start)
-    if ls /tmp/cache-stage/caches.tgz.part* > /dev/null 2>&1; then   # an earlier lease's compiler caches (`caches`, .gpu-cache)
-      if [ "$(cat /tmp/cache-stage/caches.tgz.part* | sha256sum | cut -d' ' -f1)" = "$(cat /tmp/cache-stage/caches.tgz.sha256)" ]; then
-        mkdir -p "$W/cache" && cat /tmp/cache-stage/caches.tgz.part* | tar -xzf - -C "$W/cache" && log "compiler caches restored ($(du -sh "$W/cache" | cut -f1))"
-      else log "compiler caches not restored: checksum mismatch (stage every .gpu-cache folder)"; fi
-    fi
+    restore_caches
     if [ "$DRY" != 1 ]; then
       while [ ! -f "$W/install.done" ]; do sleep 2; done
       "${ALFRL[@]}" data prepare --data-dir .cache/alfworld --archive /tmp/gpu-data/json_2.1.1.tar.xz || exit 1

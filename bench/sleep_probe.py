@@ -15,11 +15,9 @@ attention, as in both failing fits), which it does not push: the engine must sco
 - ``dropped``: those buffers tagged back as vLLM had them, so sleep drops them (alfrl before 2026-12-02;
   the cache is still zeroed).
 
-With ``--adapter`` a control comes first: ``awake``, the trainer's step with the engine awake (no sleep), then the
-probe (a NaN there would come from the trainer's step, not from sleep).
-
-With ``--adapter`` each is run twice: the served adapter registered again at wake-up as a push does (alfrl now),
-and re-activated in place (alfrl before 2026-12-02).
+With ``--adapter`` a control comes first (``awake``: the trainer's step with the engine awake, then the probe; a NaN
+there would come from the trainer's step, not from sleep), and each cycle is run twice: the served adapter registered
+again at wake-up as a push does (alfrl now), and re-activated in place (alfrl before 2026-12-02).
 
 For each: the non-finite probe log-probs and the largest difference from the scores before any sleep.
 On the H200 the random Qwen3.5-4B scored 388 of 389 probe tokens as NaN after a wake-up (2026-12-02); the
@@ -151,8 +149,8 @@ def main(argv: list[str] | None = None) -> int:
         from alfrl.ppo import LoRAConfig
 
         lora = LoRAConfig(**yaml.safe_load(open("recipes/qwen4b_80step.yaml"))["model"]["lora"])
-        # the PyTorch reference for the Gated DeltaNet layers, as both failing fits trained (2026-12-01: FLA not
-        # installed; 2026-12-02: its check failed); `auto` would spend ~2 minutes autotuning FLA for its check
+        # the PyTorch reference for the Gated DeltaNet layers (as the 2026-12-01 and 2026-12-02 second-lease fits trained;
+        # the third lease's fit used FLA after its check passed); `auto` would spend ~2 minutes autotuning FLA
         policy = AlfrlPolicy(model_name=args.model, dtype="float32" if args.dry else "bfloat16", lora=lora,
                              linear_attention_kernel="torch")
         policy.configure_model()
