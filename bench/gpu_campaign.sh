@@ -45,17 +45,14 @@
 # The bench job (alone on the GPU): bench/sampler_bench.py, the sync's gaps, responses and decode speed,
 # LoRA-served then merged; then the engine ceiling, round vs async rollouts and the update's MFU.
 #
-# Qwen3.5's NaN probe after a wake-up (2026-12-01, 2026-12-02; bench/README.md): after install,
-#   bash bench/gpu_campaign.sh stage .gpu-cache/k01 && bash bench/gpu_campaign.sh sleep-probe   # ~150 s, alone on the GPU
-#   bash bench/gpu_campaign.sh wait 240 sleep-probe      # results.tgz: results/sleep_probe.json, logs/sleep_probe.log
-# then `start` as below (the probe must end first: both need most of the GPU).
+# Qwen3.5's NaN after a wake-up, fourth lease (2026-12-02: piecewise graphs and no prefix caching did not stop it; no sleep
+# mode faulted): does the engine read memory it freed? After install (carry nothing; `stage .gpu-cache/..` if there is one):
+#   bash bench/gpu_campaign.sh probe; bash bench/gpu_campaign.sh wait 400 probe
+# -> results/stale_probe0.json (CUDA graphs, no sleep mode), 1 (graphs, sleep mode), 2 (eager), their logs
+# (PROBE=sleep runs bench/sleep_probe.py instead; PROBE_VARIANTS="ARGS;ARGS" sets the runs, one process each.)
 #
-# Which engine setting keeps Qwen3.5's engine finite (2026-12-02, third lease: NaN after the wake-up with CUDA graphs, an
-# illegal memory access without sleep mode, eager clean in a short step): after install,
-#   bash bench/gpu_campaign.sh stage .gpu-cache/k01 && Q35_VARIANTS=";--data.engine.cudagraph_mode piecewise;--data.engine.prefix_caching false" \
-#     bash bench/gpu_campaign.sh q35-variants                # carry .gpu-data; one short fit (10 environment steps) per variant
-#   bash bench/gpu_campaign.sh wait 540 q35-variants           # results/q35_variants.txt: passed / NaN probe / CUDA error per variant
-# then the full step with what passed: Q35_EXTRA="..." bash bench/gpu_campaign.sh q35; bash bench/gpu_campaign.sh wait 540 q35
+# The Qwen3.5 part again with other engine settings (after `start`): Q35_EXTRA="--data.engine.enforce_eager true" bash
+# bench/gpu_campaign.sh q35; bash bench/gpu_campaign.sh wait 540 q35 (each earlier fit's logs kept as *_tryN.log).
 # DRY=1 runs the same script on a CPU with the tiny model (HF engine, 2 games per split) to check it.
 set -uo pipefail
 cd "${ALFRL_REPO:-$(dirname "$0")/..}"
@@ -276,23 +273,6 @@ q35_figures() {  # the reference recipe on the random Qwen3.5-4B-structure check
   touch "$W/q35.done"   # `wait N q35` ends here (the 1.5B part of `start` may still wait for its model)
 }
 
-q35_variants() {  # Q35_VARIANTS="OVERRIDES;OVERRIDES;...": one short update each (Q35_VARIANT_STEPS environment steps, default 10),
-  # one process after another; results/q35_variants.txt says which stopped on a NaN probe after the wake-up or a CUDA error
-  q35_recipe
-  local i=0 v a rc verdict
-  IFS=';' read -ra variants <<< "${Q35_VARIANTS:-}"
-  for v in "${variants[@]}"; do
-    read -ra a <<< "$v"
-    q35_fit_run "q35_variant$i" "$RUN/q35_variant$i" --data.rollout.max_episode_steps "${Q35_VARIANT_STEPS:-10}" "${a[@]}"; rc=$?
-    verdict=passed
-    [ $rc = 0 ] || verdict=failed
-    grep -q "NonFiniteProbeError" "$W/logs/q35_variant$i.log" && verdict="NaN probe"
-    grep -q "illegal memory access\|illegal instruction" "$W/logs/q35_variant$i.log" && verdict="CUDA error"
-    echo "variant $i rc=$rc $verdict: ${v:-(the recipe as it is)}" >> "$W/results/q35_variants.txt"
-    i=$((i + 1))
-  done
-}
-
 rl_fit() {  # rl_fit STEPS MAX_SECONDS [ARGS...]: the RL run into $RUN/rl, a checkpoint after every update
   local steps=$1 max_s=$2; shift 2
   timed rl env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "${ALFRL[@]}" fit --config $RL "${MODEL[@]}" "${TRAIN[@]}" --trainer.accelerator "$ACCEL" \
@@ -340,7 +320,7 @@ report() {
 pack() {  # results (small) and the trajectories (gzipped) into $OUT
   local p d v f
   cp "$W/logs/campaign.log" "$W/results/" 2>/dev/null
-  for p in "$RUN"/{sft,rl,fit_15b,q35,q35_try*,q35_variant*}; do d=$(basename "$p")
+  for p in "$RUN"/{sft,rl,fit_15b,q35,q35_try*}; do d=$(basename "$p")
     for v in "$p"/csv/version_*; do [ -f "$v/metrics.csv" ] && cp "$v/metrics.csv" "$W/results/${d}_metrics_$(basename "$v").csv"; done; done
   tar -czf "$OUT/results.tgz" -C "$W" results logs 2>/dev/null
   for f in "$RUN"/*.jsonl; do [ -f "$f" ] && gzip -c "$f" > "$OUT/$(basename "$f").gz"; done
@@ -394,19 +374,24 @@ case "${1:-}" in
     nvidia-smi --query-gpu=name,memory.total --format=csv
     echo "install rc=0 seconds=$(( $(date +%s) - s ))" >> "$W/results/times.txt"
     touch "$W/install.done"; log "install done" ;;
-  sleep-probe)  # after install (and `stage .gpu-cache/k01` for warm compilers): bench/sleep_probe.py on a 4-layer Qwen3.5-4B, in the
-    # background (2026-12-02: ~150 s from install to the result); `wait N sleep-probe` brings its files back
-    cp "$0" "$W/campaign.sh"; ALFRL_REPO=$REPO setsid nohup bash "$W/campaign.sh" _sleep-probe > "$W/logs/sleep_probe_job.log" 2>&1 < /dev/null &
-    log "sleep probe started" ;;
-  _sleep-probe)
+  probe)  # after install: PROBE=stale (bench/stale_memory_probe.py, the default) or sleep (bench/sleep_probe.py) on a 4-layer
+    # Qwen3.5-4B, in the background, one process per variant of PROBE_VARIANTS ("ARGS;ARGS"; default for stale: graphs without,
+    # then with sleep mode, then --eager; for sleep: --adapter); `wait N probe` brings results/<PROBE>_probe<i>.json and logs back
+    cp "$0" "$W/campaign.sh"; ALFRL_REPO=$REPO setsid nohup bash "$W/campaign.sh" _probe > "$W/logs/probe_job.log" 2>&1 < /dev/null &
+    log "${PROBE:-stale} probe started" ;;
+  _probe)
     restore_caches
-    # SLEEP_PROBE_ARGS: bench/sleep_probe.py's options (default --adapter: the trainer's adapter served and trained
-    # between sleep and wake-up, as in `alfrl fit`; add --eager for a faster engine start)
-    if [ "$DRY" = 1 ]; then PROBE_ARGS=(--dry --probe-tokens 50 --adapter)
-    else read -ra PROBE_ARGS <<< "${SLEEP_PROBE_ARGS:---adapter}"; while [ ! -f "$W/install.done" ]; do sleep 2; done; fi
-    timed random_q35_4layers "${ALFRL[@]}" random-model --shape "$Q35_SHAPE" --layers 4 --out "$W/q35-4layers" &&
-      timed sleep_probe "$PY" bench/sleep_probe.py --model "$W/q35-4layers" --out "$W/results/sleep_probe.json" "${PROBE_ARGS[@]}"
-    touch "$W/sleep_probe.done"; log "sleep probe done" ;;
+    p=${PROBE:-stale}; script=bench/stale_memory_probe.py; default="--no-sleep-mode;;--eager"
+    [ "$p" = sleep ] && { script=bench/sleep_probe.py; default=--adapter; }
+    [ "$DRY" = 1 ] || while [ ! -f "$W/install.done" ]; do sleep 2; done
+    timed random_q35_4layers "${ALFRL[@]}" random-model --shape "$Q35_SHAPE" --layers 4 --out "$W/q35-4layers" || exit 1
+    IFS=';' read -ra variants <<< "${PROBE_VARIANTS-$default}"; i=0
+    for v in "${variants[@]}"; do
+      read -ra a <<< "$v"; [ "$DRY" = 1 ] && a+=(--dry --probe-tokens 50)
+      timed "${p}_probe$i" timeout 600 "$PY" "$script" --model "$W/q35-4layers" --out "$W/results/${p}_probe$i.json" "${a[@]}"
+      i=$((i + 1))
+    done
+    touch "$W/probe.done"; log "probe done" ;;
   q35)  # after `start` ran the Qwen3.5 part: that part alone again (its first logs and run kept beside), e.g. with Q35_EXTRA
     cp "$0" "$W/campaign.sh"; rm -f "$W/q35.done"; ALFRL_REPO=$REPO setsid nohup bash "$W/campaign.sh" _q35 > "$W/logs/q35_job.log" 2>&1 < /dev/null &
     log "q35 started again" ;;
@@ -415,18 +400,6 @@ case "${1:-}" in
     [ -d "$RUN/q35" ] && mv "$RUN/q35" "$RUN/q35_try$n"
     for f in q35_fit q35_eval; do [ -f "$W/logs/$f.log" ] && mv "$W/logs/$f.log" "$W/logs/${f}_try$n.log"; done
     q35_figures; log "q35 done" ;;
-  q35-variants)  # after install and `stage .gpu-cache/..`: the random Qwen3.5-4B checkpoint, then q35_variants, in the background
-    [ "$DRY" = 1 ] || { mkdir -p /tmp/gpu-data && cp -r .gpu-data/. /tmp/gpu-data/; }
-    cp "$0" "$W/campaign.sh"; ALFRL_REPO=$REPO setsid nohup bash "$W/campaign.sh" _q35-variants > "$W/logs/q35_variants_job.log" 2>&1 < /dev/null &
-    log "q35 variants started" ;;
-  _q35-variants)
-    restore_caches
-    if [ "$DRY" != 1 ]; then
-      while [ ! -f "$W/install.done" ]; do sleep 2; done
-      "${ALFRL[@]}" data prepare --data-dir .cache/alfworld --archive /tmp/gpu-data/json_2.1.1.tar.xz || exit 1
-    fi
-    [ -f "$W/q35model.done" ] || { timed random_q35 "${ALFRL[@]}" random-model --shape $Q35_SHAPE --out $Q35_MODEL && touch "$W/q35model.done"; }
-    q35_variants; touch "$W/q35_variants.done"; log "q35 variants done" ;;
   start)  # carry .gpu-data (the games archive, the expert trajectories): copied before the call ends
     [ "$DRY" = 1 ] || { mkdir -p /tmp/gpu-data && cp -r .gpu-data/. /tmp/gpu-data/; }
     cp "$0" "$W/campaign.sh"; ALFRL_REPO=$REPO setsid nohup bash "$W/campaign.sh" _start > "$W/logs/start.log" 2>&1 < /dev/null &
@@ -462,10 +435,9 @@ print(int(c['callbacks'].get('Timer', {}).get('time_elapsed', {}).get('train', 0
   _bench)
     while pgrep -f "alfrl.cl[i] " > /dev/null; do sleep 3; done
     bench_lane; touch "$W/bench_lane.done"; log "bench done" ;;
-  wait)  # wait N [bench|sleep-probe|q35|q35-variants]: until the learning job (or that part) is done or N seconds pass; then pack what there is
+  wait)  # wait N [bench|probe|q35]: until the learning job (or that part) is done or N seconds pass; then pack what there is
     end=$(( $(date +%s) + ${2:-540} )); mark=$W/all.done; [ "${3:-}" = bench ] && mark=$W/bench_lane.done
-    [ "${3:-}" = sleep-probe ] && mark=$W/sleep_probe.done; [ "${3:-}" = q35 ] && mark=$W/q35.done
-    [ "${3:-}" = q35-variants ] && mark=$W/q35_variants.done
+    [ "${3:-}" = probe ] && mark=$W/probe.done; [ "${3:-}" = q35 ] && mark=$W/q35.done
     while [ "$(date +%s)" -lt "$end" ] && [ ! -f "$mark" ]; do sleep 5; done
     pack > /dev/null
     tail -n 30 "$W/logs/campaign.log"; cat "$W/results/times.txt" 2>/dev/null

@@ -204,20 +204,26 @@ def test_each_vllm_request_gets_its_own_sampling_params_which_vllm_need_not_deep
     assert all(p.skip_clone and p.stop_token_ids == [7] for p in made) and made[0].stop_token_ids is not made[1].stop_token_ids
 
 
+def load_bench(name: str):
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).parents[1] / "bench" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def test_the_sleep_probe_runs_its_four_cycles_through_the_engines_own_sleep_and_wake_up(monkeypatch):
     """bench/sleep_probe.py's cycles on a stand-in vLLM (the GPU is too scarce to find a slip there): buffers
     kept then dropped (the allocator's tags put back), the adapter registered again or re-activated in place."""
-    import importlib.util
     import sys
-    from pathlib import Path
     from types import ModuleType, SimpleNamespace
 
     from alfrl import vllm_engine
     from alfrl.vllm_engine import VLLMEngine
 
-    spec = importlib.util.spec_from_file_location("sleep_probe", Path(__file__).parents[1] / "bench" / "sleep_probe.py")
-    probe_mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(probe_mod)
+    probe_mod = load_bench("sleep_probe")
     kv = torch.zeros(256)
     allocations = {kv.data_ptr(): SimpleNamespace(tag="kv_cache", handle=(0, kv.nbytes, None, None)),
                    7: SimpleNamespace(tag="kv_cache", handle=(0, 64, None, None)),
@@ -262,6 +268,60 @@ def test_the_sleep_probe_runs_its_four_cycles_through_the_engines_own_sleep_and_
     assert out["kept, adapter in place"]["kept_mib"] == 64 / 2**20  # kept since the first sleep, still counted
     assert out["kept, adapter registered"]["first_after_wake"] == {"non_finite": 0, "tokens": 3, "max_abs_diff_finite": 0.0}
     assert vllm_engine.keep_across_sleep is keep
+
+
+def test_the_stale_memory_probe_names_the_first_freed_block_the_engine_still_reads():
+    """bench/stale_memory_probe.py: free blocks of the chosen pools in address order, poisoned one at a time (each
+    logged before it is written, so a fault names it), stopping at the first after which the scores moved; the
+    block's last allocation and free come from the allocator's recorded history."""
+    probe = load_bench("stale_memory_probe")
+    segments = [
+        {"segment_pool_id": (0, 0), "blocks": [{"address": 300, "size": 10, "state": "inactive", "frames": []},
+                                               {"address": 100, "size": 50, "state": "active_allocated", "frames": []},
+                                               {"address": 200, "size": 20, "state": "inactive", "frames": []}]},
+        {"segment_pool_id": (1, 0), "blocks": [{"address": 50, "size": 8, "state": "inactive", "frames": []}]},
+    ]
+    assert [b["address"] for b in probe.inactive_blocks(segments, "default")] == [200, 300]
+    blocks = probe.inactive_blocks(segments, "all")
+    assert [(b["address"], b["pool"]) for b in blocks] == [(50, [1, 0]), (200, [0, 0]), (300, [0, 0])]
+
+    written, logged = [], []
+    state = {"scores": [0.0, -1.0, -2.0]}
+
+    def poison(block):
+        written.append(block["address"])
+        if block["address"] == 200:  # the engine reads this one after freeing it
+            state["scores"] = [0.0, -1.0, float("nan")]
+
+    def log(*args, **kwargs):
+        logged.append((args[0], list(written)))
+
+    found = probe.find_stale(blocks, poison, lambda: state["scores"], [0.0, -1.0, -2.0], 1e-3, log=log)
+    assert found["found"] and found["index"] == 1 and found["block"] == {"address": 200, "size": 20, "pool": [0, 0]}
+    assert found["non_finite"] == 1 and written == [50, 200]
+    assert "0xc8" in logged[1][0] and logged[1][1] == [50]  # logged before its write
+    # a finite change above the tolerance counts too; the baseline's own jitter is what the tolerance adds to
+    assert probe.moved([0.0, -1.5], [0.0, -1.0], 1e-3)["moved"] and not probe.moved([0.0, -1.0004], [0.0, -1.0], 1e-3)["moved"]
+    none = probe.find_stale(blocks[2:], lambda b: None, lambda: [0.0, -1.0], [0.0, -1.0], 1e-3, log=lambda *a, **k: None)
+    assert none == {"found": False, "blocks": 1, "bytes": 10}
+
+    traces = [{"action": "alloc", "addr": 205, "size": 4, "frames": [{"filename": "/site/vllm/rope.py", "line": 9, "name": "to"}]},
+              {"action": "free_requested", "addr": 205, "size": 4, "frames": [{"filename": "/site/torch/x.py", "line": 1, "name": "f"}]},
+              {"action": "alloc", "addr": 400, "size": 4, "frames": []}]
+    history = probe.block_history(traces, blocks[1])
+    assert history["alloc"]["frames"] == ["/site/vllm/rope.py:9 to"] and history["free"]["frames"] == ["/site/torch/x.py:1 f"]
+
+
+def test_the_stale_memory_probe_runs_on_the_cpu(tmp_path, tiny_model_dir):
+    """``--dry``: the HF engine decodes and scores, a made-up snapshot's second block stands for stale memory."""
+    import json
+
+    probe = load_bench("stale_memory_probe")
+    out = tmp_path / "stale.json"
+    assert probe.main(["--model", str(tiny_model_dir), "--out", str(out), "--dry", "--decode", "2", "--probe-tokens", "20"]) == 0
+    result = json.loads(out.read_text())
+    assert result["decoded_tokens"] == 32 and result["baseline"]["moved"] is False
+    assert result["stale"]["found"] and result["stale"]["index"] == 1 and result["stale"]["history"]["alloc"]["frames"]
 
 
 def test_the_recipes_vllm_settings_reach_the_engine(monkeypatch, tiny_model_dir):
