@@ -113,9 +113,11 @@ class WeightSync:
         for who, scores in ((f"{self.engine.name} engine before the push", before), (f"{self.engine.name} engine", after), ("trainer", trainer)):
             bad = 0 if scores is None else sum(not math.isfinite(x) for x in scores)
             if bad:
+                # right after a wake-up: what the engine knows of its settings that broke this before (VLLMEngine)
+                hint = getattr(self.engine, "wake_up_nan_hint", "") if scores is before else ""
                 raise NonFiniteProbeError(
                     f"after syncing weight version {policy.weight_version}, {bad} of the {who}'s {len(scores)} probe log-probs are "
-                    "not finite: it computes garbage (a NaN comparison would pass every other check, so this stops here)"
+                    "not finite: it computes garbage (a NaN comparison would pass every other check, so this stops here)" + hint
                 )
         gap = _mean_abs([a - b for a, b in zip(after[1:], trainer[1:])])
         metrics["sync/probe_abs_logprob_diff"] = gap

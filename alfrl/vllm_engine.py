@@ -53,6 +53,17 @@ def keep_across_sleep(allocations: dict, kv_ranges: list[tuple[int, int]]) -> in
     return kept
 
 
+def wake_up_nan_hint(sleep_mode: bool, enforce_eager: bool, extra: dict) -> str:
+    """What to add to a probe scored non-finite right after a wake-up, for an engine with these settings: with sleep mode
+    and CUDA graphs, what the H200 showed (empty otherwise: nothing is known to break a setting without them)."""
+    graphs = not enforce_eager and str(extra.get("compilation_config", {}).get("cudagraph_mode", "")).upper() != "NONE"
+    if not (sleep_mode and graphs):
+        return ""
+    return ("; the probe right after a wake-up: seen with vLLM 0.26's CUDA graphs and sleep mode on Qwen3.5-structure "
+            "checkpoints (bench/README.md, 2026-12-02; piecewise graphs and prefix caching off did not help), where only "
+            "data.engine.enforce_eager: true has run clean")
+
+
 class VLLMEngine:
     """A vLLM ``LLM`` in the trainer's own process, on token prompts, with prefix caching.
 
@@ -101,6 +112,8 @@ class VLLMEngine:
         self._kept_bytes = 0
         self.lora_enabled = lora_rank is not None
         kwargs = dict(extra or {})
+        self.wake_up_nan_hint = wake_up_nan_hint(enable_sleep_mode, enforce_eager, kwargs)
+        """Appended to a non-finite probe right after a wake-up (``WeightSync``): what broke this before and what ran."""
         self.vision_language = bool(kwargs.get("language_model_only"))
         """The checkpoint is a vision-language model: trainer names get its text-stack prefix."""
         import torch.distributed as dist

@@ -107,6 +107,15 @@ def test_the_cuda_graph_size_reaches_vllm_and_is_checked(tiny_model_dir):
         "data.engine.cudagraph_mode='fast' is not one of none, piecewise, full, full_decode_only, full_and_piecewise (or null for vLLM's)"]
 
 
+def test_a_nan_after_a_wake_up_names_the_settings_that_broke_it_before():
+    from alfrl.vllm_engine import wake_up_nan_hint
+
+    assert "enforce_eager: true" in wake_up_nan_hint(True, False, {})
+    assert "enforce_eager: true" in wake_up_nan_hint(True, False, {"compilation_config": {"cudagraph_mode": "PIECEWISE"}})
+    assert wake_up_nan_hint(True, True, {}) == wake_up_nan_hint(False, False, {}) == ""
+    assert wake_up_nan_hint(True, False, {"compilation_config": {"cudagraph_mode": "NONE"}}) == ""
+
+
 class StandInLora(SimpleNamespace):
     """vLLM's LoRAModel as the engine uses it: an id, the layer weights, ``clone`` sharing them under a new id."""
 

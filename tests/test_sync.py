@@ -148,6 +148,15 @@ def test_non_finite_log_probs_stop_the_sync_instead_of_passing_every_comparison(
         sync.canary(policy)  # garbage is not a canary caught
     with pytest.raises(NonFiniteProbeError, match="not finite"):
         sync.sync(policy)
+    # NaN right after the wake-up, before the push: the engine's own hint (vLLM's: its graphs and sleep mode) is appended
+    engine.wake_up_nan_hint = "; try enforce_eager"
+    with pytest.raises(NonFiniteProbeError, match="before the push's .* not finite: .*here\\); try enforce_eager$"):
+        sync.sync(policy)
+    engine.score = score
+    trained = policy.score(probe)
+    policy.score = lambda ids: trained[:-1] + [float("nan")]  # the trainer's NaN gets no engine hint
+    with pytest.raises(NonFiniteProbeError, match="trainer's .* so this stops here\\)$"):
+        sync.sync(policy)
 
 
 def test_a_skipped_sync_under_the_noise_floor_is_still_caught_when_the_engine_did_not_move_at_all(setup):
