@@ -45,11 +45,13 @@
 # The bench job (alone on the GPU): bench/sampler_bench.py, the sync's gaps, responses and decode speed,
 # LoRA-served then merged; then the engine ceiling, round vs async rollouts and the update's MFU.
 #
-# Qwen3.5's NaN after a wake-up, fourth lease (2026-12-02: piecewise graphs and no prefix caching did not stop it; no sleep
-# mode faulted): does the engine read memory it freed? After install (carry nothing; `stage .gpu-cache/..` if there is one):
-#   bash bench/gpu_campaign.sh probe; bash bench/gpu_campaign.sh wait 400 probe
-# -> results/stale_probe0.json (CUDA graphs, no sleep mode), 1 (graphs, sleep mode), 2 (eager), their logs
-# (PROBE=sleep runs bench/sleep_probe.py instead; PROBE_VARIANTS="ARGS;ARGS" sets the runs, one process each.)
+# Qwen3.5 after the fourth lease (2026-12-02: NaN after a wake-up with CUDA graphs, piecewise ones and no prefix caching too;
+# without sleep mode an illegal memory access): its recipes now run eager. The full step, a short evaluation of its checkpoint,
+# then bench/stale_memory_probe.py (does the engine read memory it freed?), after the kit and .gpu-extra are staged:
+#   PLAN=figures Q35_FIRST=1 FIG_BENCH=0 FIT_STEPS=0 GRAPH_TOKENS=0 PROBE_AFTER=1 bash bench/gpu_campaign.sh start   # carry .gpu-data
+#   bash bench/gpu_campaign.sh wait 540 q35; ... bash bench/gpu_campaign.sh wait 400 probe
+# -> results/stale_probe0.json (CUDA graphs, no sleep mode), 1 (graphs, sleep mode), 2 (eager). The probe alone: `probe`, then
+# `wait 400 probe` (PROBE=sleep runs bench/sleep_probe.py instead; PROBE_VARIANTS="ARGS;ARGS" sets the runs, one process each).
 #
 # The Qwen3.5 part again with other engine settings (after `start`): Q35_EXTRA="--data.engine.enforce_eager true" bash
 # bench/gpu_campaign.sh q35; bash bench/gpu_campaign.sh wait 540 q35 (each earlier fit's logs kept as *_tryN.log).
@@ -128,7 +130,7 @@ else
   # stop on their own: completions run to a fixed 100 tokens, so trajectories reach the 12,000-token budget)
   Q35_MODEL=.cache/random-qwen3.5-4b; Q35_SHAPE=qwen3.5-4b
   Q35_ARGS=(--trainer.accelerator gpu); Q35_EVAL=(--trainer.accelerator gpu)
-  T_BENCH=480; T_MERGED=240; T_EVAL=420; T_Q35=${T_Q35:-900}; T_Q35_EVAL=${T_Q35_EVAL:-420}; T_FIT=300
+  T_BENCH=480; T_MERGED=240; T_EVAL=420; T_Q35=${T_Q35:-1200}; T_Q35_EVAL=${T_Q35_EVAL:-420}; T_FIT=300
   FIT_ARGS=(--trainer.accelerator gpu --data.env.num_workers 16 --data.engine.gpu_memory_utilization 0.4)
 fi
 Q35=recipes/qwen4b_80step.yaml
@@ -268,9 +270,27 @@ q35_figures() {  # the reference recipe on the random Qwen3.5-4B-structure check
     grep -q "illegal instruction" "$W/logs/q35_fit.log" && [ "$try" = 1 ] || break
     mv "$W/logs/q35_fit.log" "$W/logs/q35_fit_illegal_instruction.log"; rm -rf "$RUN/q35"; log "q35_fit: CUDA illegal instruction, started again"
   done
+  # a few games, Q35_EVAL_STEPS (default 5) environment steps each: eager decoding of 4 sequences ran at 30-45 tokens/s
   timed q35_eval timeout $T_Q35_EVAL "${ALFRL[@]}" eval --config "$W/q35.yaml" --model.model_name $Q35_MODEL "${Q35_EVAL[@]}" --limit-per-split 2 \
-    --data.eval.max_assistant_tokens 100 --adapter "$RUN/q35/checkpoints/last" --out "$RUN/q35_eval.jsonl" "${q35_extra[@]}"
+    --data.eval.max_assistant_tokens 100 --data.eval.max_episode_steps "${Q35_EVAL_STEPS:-5}" --adapter "$RUN/q35/checkpoints/last" \
+    --out "$RUN/q35_eval.jsonl" "${q35_extra[@]}"
   touch "$W/q35.done"   # `wait N q35` ends here (the 1.5B part of `start` may still wait for its model)
+  [ "${PROBE_AFTER:-0}" = 1 ] && probe_lane   # PROBE_AFTER=1: then bench/stale_memory_probe.py (`wait N probe`)
+}
+
+probe_lane() {  # PROBE=stale (bench/stale_memory_probe.py, the default) or sleep (bench/sleep_probe.py) on a 4-layer Qwen3.5-4B,
+  # one process per variant of PROBE_VARIANTS ("ARGS;ARGS"; default for stale: CUDA graphs without, then with sleep mode, then
+  # --eager; for sleep: --adapter); results/<PROBE>_probe<i>.json
+  local p=${PROBE:-stale} script=bench/stale_memory_probe.py default="--no-sleep-mode;;--eager" v a i=0
+  [ "$p" = sleep ] && { script=bench/sleep_probe.py; default=--adapter; }
+  [ -d "$W/q35-4layers" ] || timed random_q35_4layers "${ALFRL[@]}" random-model --shape "$Q35_SHAPE" --layers 4 --out "$W/q35-4layers" || return 1
+  IFS=';' read -ra variants <<< "${PROBE_VARIANTS-$default}"
+  for v in "${variants[@]}"; do
+    read -ra a <<< "$v"; [ "$DRY" = 1 ] && a+=(--dry --probe-tokens 50)
+    timed "${p}_probe$i" timeout 600 "$PY" "$script" --model "$W/q35-4layers" --out "$W/results/${p}_probe$i.json" "${a[@]}"
+    i=$((i + 1))
+  done
+  touch "$W/probe.done"; log "probe done"
 }
 
 rl_fit() {  # rl_fit STEPS MAX_SECONDS [ARGS...]: the RL run into $RUN/rl, a checkpoint after every update
@@ -374,24 +394,13 @@ case "${1:-}" in
     nvidia-smi --query-gpu=name,memory.total --format=csv
     echo "install rc=0 seconds=$(( $(date +%s) - s ))" >> "$W/results/times.txt"
     touch "$W/install.done"; log "install done" ;;
-  probe)  # after install: PROBE=stale (bench/stale_memory_probe.py, the default) or sleep (bench/sleep_probe.py) on a 4-layer
-    # Qwen3.5-4B, in the background, one process per variant of PROBE_VARIANTS ("ARGS;ARGS"; default for stale: graphs without,
-    # then with sleep mode, then --eager; for sleep: --adapter); `wait N probe` brings results/<PROBE>_probe<i>.json and logs back
+  probe)  # after install: probe_lane alone in the background; `wait N probe` brings its results and logs back
     cp "$0" "$W/campaign.sh"; ALFRL_REPO=$REPO setsid nohup bash "$W/campaign.sh" _probe > "$W/logs/probe_job.log" 2>&1 < /dev/null &
     log "${PROBE:-stale} probe started" ;;
   _probe)
     restore_caches
-    p=${PROBE:-stale}; script=bench/stale_memory_probe.py; default="--no-sleep-mode;;--eager"
-    [ "$p" = sleep ] && { script=bench/sleep_probe.py; default=--adapter; }
     [ "$DRY" = 1 ] || while [ ! -f "$W/install.done" ]; do sleep 2; done
-    timed random_q35_4layers "${ALFRL[@]}" random-model --shape "$Q35_SHAPE" --layers 4 --out "$W/q35-4layers" || exit 1
-    IFS=';' read -ra variants <<< "${PROBE_VARIANTS-$default}"; i=0
-    for v in "${variants[@]}"; do
-      read -ra a <<< "$v"; [ "$DRY" = 1 ] && a+=(--dry --probe-tokens 50)
-      timed "${p}_probe$i" timeout 600 "$PY" "$script" --model "$W/q35-4layers" --out "$W/results/${p}_probe$i.json" "${a[@]}"
-      i=$((i + 1))
-    done
-    touch "$W/probe.done"; log "probe done" ;;
+    probe_lane ;;
   q35)  # after `start` ran the Qwen3.5 part: that part alone again (its first logs and run kept beside), e.g. with Q35_EXTRA
     cp "$0" "$W/campaign.sh"; rm -f "$W/q35.done"; ALFRL_REPO=$REPO setsid nohup bash "$W/campaign.sh" _q35 > "$W/logs/q35_job.log" 2>&1 < /dev/null &
     log "q35 started again" ;;
