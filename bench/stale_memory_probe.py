@@ -13,15 +13,16 @@ wake-up), and faults once the allocator has given it back to the driver (no slee
 way). The Qwen2.5 models never showed it.
 
 The test: PyTorch's allocator records its history from before the engine starts (the product's ``VLLMEngine``:
-the recipe's engine settings for the checkpoint, sleep mode on as in the recipe, LoRA served, CUDA graphs unless
-``--eager``). The engine decodes a batch and scores a fixed probe twice (the baseline and its own jitter). Then
+the recipe's engine settings for the checkpoint, sleep mode on as in the recipe, the trainer's LoRA adapter served, CUDA
+graphs unless ``--eager``). The engine decodes a batch and scores a fixed probe twice (the baseline and its own jitter). Then
 every block PyTorch's allocator holds as free (the default pool's: what the trainer's next allocation gets; vLLM's
 sleep-mode pool's: dropped at a sleep; the graphs' own scratch) is filled with 0xFF bytes (NaN as a float, -1 as an
 integer), one block at a time, and the probe scored after each.
 The first block after which the probe is not finite or moved (or the process faults: each block is printed before
 it is written) is memory the engine reads after freeing it; its recorded allocation and free stacks name the tensor.
 Last, ``torch.cuda.empty_cache()`` gives the inactive segments back to the driver and the probe is scored once more
-(a fault there is the no-sleep failure). ``--dry`` runs the plumbing on the CPU (HF engine, a made-up snapshot).
+(a fault there is the no-sleep failure); with sleep mode, one sleep / wake-up cycle as in ``alfrl fit`` but with 0xFF
+bytes where the trainer's update would be (``sleep_cycle``). ``--dry`` runs the plumbing on the CPU (HF engine, a made-up snapshot).
 """
 
 from __future__ import annotations
@@ -88,6 +89,28 @@ def find_stale(blocks: list[dict], poison, score, base: list[float], tolerance: 
     return {"found": False, "blocks": len(blocks), "bytes": sum(b["size"] for b in blocks)}
 
 
+def sleep_cycle(engine, poison, score, base: list[float], tolerance: float) -> dict:
+    """As in `alfrl fit` without the trainer: the engine sleeps, every free block still mapped and 90% of the device's
+    free memory are filled with 0xFF bytes (the memory an update takes), the engine wakes up and scores the probe."""
+    import torch
+    from vllm.device_allocator.cumem import CuMemAllocator
+
+    engine.sleep()
+    asleep = [(ptr, data.handle[1]) for ptr, data in CuMemAllocator.get_instance().pointer_to_data.items()]
+    blocks = [b for b in inactive_blocks(torch.cuda.memory._snapshot()["segments"])
+              if not any(p <= b["address"] < p + n for p, n in asleep)]  # the sleeping pool's pages are unmapped
+    for b in blocks:
+        poison(b)
+    free = torch.cuda.mem_get_info()[0]
+    filler = torch.full((int(free * 0.9) // 4,), -1, dtype=torch.int32, device="cuda")
+    torch.cuda.synchronize()
+    filled = filler.numel() * 4
+    del filler
+    torch.cuda.empty_cache()
+    engine.wake_up()
+    return {"blocks_poisoned": len(blocks), "free_gib_poisoned": filled / 2**30, **moved(score(), base, tolerance)}
+
+
 def gpu_poison():
     """0xFF bytes over a block's address range (vLLM's ctypes binding of the CUDA runtime)."""
     import ctypes
@@ -126,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tolerance", type=float, default=1e-3, help="a probe change above this (after the baseline's own) counts")
     parser.add_argument("--max-blocks", type=int, default=5000, help="poison at most this many blocks")
     parser.add_argument("--pools", choices=("all", "default"), default="all", help="whose free blocks to poison (see inactive_blocks)")
+    parser.add_argument("--no-adapter", action="store_true", help="serve no LoRA adapter (default: the trainer's, as `alfrl fit` does)")
     parser.add_argument("--dry", action="store_true", help="the CPU plumbing only: HF engine, a made-up snapshot")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -140,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
 
     t0 = time.perf_counter()
     result: dict = {"model": args.model, "eager": args.eager, "cudagraph_mode": args.cudagraph_mode,
-                    "sleep_mode": not args.no_sleep_mode, "decode_tokens": args.decode}
+                    "sleep_mode": not args.no_sleep_mode, "adapter": not args.no_adapter, "decode_tokens": args.decode}
 
     def save() -> None:
         result["seconds"] = time.perf_counter() - t0
@@ -165,6 +189,18 @@ def main(argv: list[str] | None = None) -> int:
         engine = VLLMEngine(args.model, gpu_memory_utilization=0.5, max_model_len=4096, enable_sleep_mode=not args.no_sleep_mode,
                             enforce_eager=args.eager, seed=0, lora_rank=32, extra=settings.vllm_extra(args.model))
     result["engine_start_seconds"] = time.perf_counter() - t0
+    if not args.dry and not args.no_adapter:
+        # the trainer's adapter served, as in `alfrl fit` (vLLM replays the graphs it captured with LoRA): the recipe's LoRA
+        import yaml
+
+        from alfrl.policy import AlfrlPolicy
+        from alfrl.ppo import LoRAConfig
+
+        lora = LoRAConfig(**yaml.safe_load(open("recipes/qwen4b_80step.yaml"))["model"]["lora"])
+        policy = AlfrlPolicy(model_name=args.model, dtype="bfloat16", lora=lora, linear_attention_kernel="torch")
+        policy.configure_model()
+        policy.to("cuda")
+        result["adapter_modules_taken"] = engine.load_adapter(policy.adapter_weights())
     if args.decode:
         start = time.perf_counter()
         prompts = [SamplingRequest(tuple(rng.randrange(10, top) for _ in range(50)), 1, 1.0, 1.0, args.decode, (), seed=i)
@@ -208,6 +244,9 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.empty_cache()
         result["after_empty_cache"] = moved(engine.score(probe), base, tolerance)
         save()
+        if engine.sleep_mode:
+            result["sleep_cycle"] = sleep_cycle(engine, poison, lambda: engine.score(probe), base, tolerance)
+            save()
     print(json.dumps(result, indent=1))
     return 0
 

@@ -321,6 +321,32 @@ def test_the_stale_memory_probe_names_the_first_freed_block_the_engine_still_rea
     assert history["alloc"]["frames"] == ["/site/vllm/rope.py:9 to"] and history["free"]["frames"] == ["/site/torch/x.py:1 f"]
 
 
+def test_the_stale_memory_probes_sleep_cycle_poisons_what_stays_mapped_then_wakes_the_engine(monkeypatch):
+    """sleep_cycle on stand-ins (a GPU is too scarce to find a slip there): the sleeping pool's blocks are left alone
+    (unmapped), every other free block and the device's free memory are poisoned between sleep and wake-up."""
+    import sys
+    from types import ModuleType
+
+    probe = load_bench("stale_memory_probe")
+    calls, poisoned = [], []
+    cumem = ModuleType("vllm.device_allocator.cumem")
+    cumem.CuMemAllocator = SimpleNamespace(get_instance=lambda: SimpleNamespace(
+        pointer_to_data={1000: SimpleNamespace(handle=(0, 500, None, None))}))
+    monkeypatch.setitem(sys.modules, "vllm.device_allocator.cumem", cumem)
+    segments = [{"segment_pool_id": (0, 0), "blocks": [{"address": 100, "size": 8, "state": "inactive"}]},
+                {"segment_pool_id": (2, 0), "blocks": [{"address": 1200, "size": 8, "state": "inactive"}]}]
+    monkeypatch.setattr(torch.cuda.memory, "_snapshot", lambda: {"segments": segments})
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (4000, 8000))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
+    full = torch.full
+    monkeypatch.setattr(torch, "full", lambda size, value, dtype, device: calls.append(("fill", size[0] * 4)) or full(size, value, dtype=dtype))
+    engine = SimpleNamespace(sleep=lambda: calls.append("sleep"), wake_up=lambda: calls.append("wake"))
+    out = probe.sleep_cycle(engine, lambda b: poisoned.append(b["address"]), lambda: [0.0, float("nan")], [0.0, -1.0], 1e-3)
+    assert poisoned == [100] and calls == ["sleep", ("fill", 3600), "empty_cache", "wake"]
+    assert out["blocks_poisoned"] == 1 and out["moved"] and out["non_finite"] == 1
+
+
 def test_the_stale_memory_probe_runs_on_the_cpu(tmp_path, tiny_model_dir):
     """``--dry``: the HF engine decodes and scores, a made-up snapshot's second block stands for stale memory."""
     import json
