@@ -34,6 +34,9 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/: the sleep probe's poisoning of the free memory
+from sleep_probe import poison_free_memory  # noqa: E402
+
 DEFAULT_POOL = (0, 0)
 
 
@@ -101,14 +104,9 @@ def sleep_cycle(engine, poison, score, base: list[float], tolerance: float) -> d
               if not any(p <= b["address"] < p + n for p, n in asleep)]  # the sleeping pool's pages are unmapped
     for b in blocks:
         poison(b)
-    free = torch.cuda.mem_get_info()[0]
-    filler = torch.full((int(free * 0.9) // 4,), -1, dtype=torch.int32, device="cuda")
-    torch.cuda.synchronize()
-    filled = filler.numel() * 4
-    del filler
-    torch.cuda.empty_cache()
+    filled_gib = poison_free_memory(0.9)
     engine.wake_up()
-    return {"blocks_poisoned": len(blocks), "free_gib_poisoned": filled / 2**30, **moved(score(), base, tolerance)}
+    return {"blocks_poisoned": len(blocks), "free_gib_poisoned": filled_gib, **moved(score(), base, tolerance)}
 
 
 def gpu_poison():
