@@ -45,13 +45,15 @@
 # The bench job (alone on the GPU): bench/sampler_bench.py, the sync's gaps, responses and decode speed,
 # LoRA-served then merged; then the engine ceiling, round vs async rollouts and the update's MFU.
 #
-# Qwen3.5 after the fourth lease (2026-12-02: NaN after a wake-up with CUDA graphs, piecewise ones and no prefix caching too;
-# without sleep mode an illegal memory access): its recipes now run eager. The full step, a short evaluation of its checkpoint,
-# then bench/stale_memory_probe.py (does the engine read memory it freed?), after the kit and .gpu-extra are staged:
+# Qwen3.5 (2026-12-02: NaN after a wake-up with CUDA graphs, piecewise ones and no prefix caching too; without sleep mode an
+# illegal memory access): its recipes run eager, and the full eager step, its checkpoint's evaluation and the first probe ran
+# in the fifth lease (bench/README.md; ~1,000 s of device time in all). Again, after the kit and .gpu-extra are staged:
 #   PLAN=figures Q35_FIRST=1 FIG_BENCH=0 FIT_STEPS=0 GRAPH_TOKENS=0 PROBE_AFTER=1 bash bench/gpu_campaign.sh start   # carry .gpu-data
 #   bash bench/gpu_campaign.sh wait 540 q35; ... bash bench/gpu_campaign.sh wait 400 probe
-# -> results/stale_probe0.json (CUDA graphs, no sleep mode), 1 (graphs, sleep mode), 2 (eager). The probe alone: `probe`, then
-# `wait 400 probe` (PROBE=sleep runs bench/sleep_probe.py instead; PROBE_VARIANTS="ARGS;ARGS" sets the runs, one process each).
+# bench/stale_memory_probe.py alone (does the engine read memory it freed? ~60 s a run once installed): `probe`, then
+# `wait 400 probe` -> results/stale_probe0.json (CUDA graphs, no sleep mode), 1 (graphs, sleep mode), 2 (eager), each decoding
+# 4 turns of 300 tokens over its cached prefix first (PROBE=sleep runs bench/sleep_probe.py instead; PROBE_VARIANTS="ARGS;ARGS"
+# sets the runs, one process each).
 #
 # The Qwen3.5 part again with other engine settings (after `start`): Q35_EXTRA="--data.engine.enforce_eager true" bash
 # bench/gpu_campaign.sh q35; bash bench/gpu_campaign.sh wait 540 q35 (each earlier fit's logs kept as *_tryN.log).
@@ -281,12 +283,12 @@ q35_figures() {  # the reference recipe on the random Qwen3.5-4B-structure check
 probe_lane() {  # PROBE=stale (bench/stale_memory_probe.py, the default) or sleep (bench/sleep_probe.py) on a 4-layer Qwen3.5-4B,
   # one process per variant of PROBE_VARIANTS ("ARGS;ARGS"; default for stale: CUDA graphs without, then with sleep mode, then
   # --eager; for sleep: --adapter); results/<PROBE>_probe<i>.json
-  local p=${PROBE:-stale} script=bench/stale_memory_probe.py default="--no-sleep-mode;;--eager" v a i=0
+  local p=${PROBE:-stale} script=bench/stale_memory_probe.py default="--no-sleep-mode --decode 300 --turns 4;--decode 300 --turns 4;--eager --decode 300 --turns 4" v a i=0
   [ "$p" = sleep ] && { script=bench/sleep_probe.py; default=--adapter; }
   [ -d "$W/q35-4layers" ] || timed random_q35_4layers "${ALFRL[@]}" random-model --shape "$Q35_SHAPE" --layers 4 --out "$W/q35-4layers" || return 1
   IFS=';' read -ra variants <<< "${PROBE_VARIANTS-$default}"
   for v in "${variants[@]}"; do
-    read -ra a <<< "$v"; [ "$DRY" = 1 ] && a+=(--dry --probe-tokens 50)
+    read -ra a <<< "$v"; [ "$DRY" = 1 ] && a+=(--dry --probe-tokens 50 --decode 2)
     timed "${p}_probe$i" timeout 600 "$PY" "$script" --model "$W/q35-4layers" --out "$W/results/${p}_probe$i.json" "${a[@]}"
     i=$((i + 1))
   done

@@ -312,7 +312,13 @@ def test_the_stale_memory_probe_names_the_first_freed_block_the_engine_still_rea
     # a finite change above the tolerance counts too; the baseline's own jitter is what the tolerance adds to
     assert probe.moved([0.0, -1.5], [0.0, -1.0], 1e-3)["moved"] and not probe.moved([0.0, -1.0004], [0.0, -1.0], 1e-3)["moved"]
     none = probe.find_stale(blocks[2:], lambda b: None, lambda: [0.0, -1.0], [0.0, -1.0], 1e-3, log=lambda *a, **k: None)
-    assert none == {"found": False, "blocks": 1, "bytes": 10}
+    assert none == {"found": False, "blocks": 1, "bytes": 10, "unmapped": []}
+
+    def unmapped_first(block):  # a block whose pages are not mapped: cudaMemset's "invalid argument"
+        if block["address"] == 50:
+            raise RuntimeError("CUDART error: invalid argument")
+    skipped = probe.find_stale(blocks, unmapped_first, lambda: [0.0, -1.0], [0.0, -1.0], 1e-3, log=lambda *a, **k: None)
+    assert skipped == {"found": False, "blocks": 2, "bytes": 30, "unmapped": [{"address": 50, "size": 8, "pool": [1, 0]}]}
 
     traces = [{"action": "alloc", "addr": 205, "size": 4, "frames": [{"filename": "/site/vllm/rope.py", "line": 9, "name": "to"}]},
               {"action": "free_requested", "addr": 205, "size": 4, "frames": [{"filename": "/site/torch/x.py", "line": 1, "name": "f"}]},
@@ -355,8 +361,23 @@ def test_the_stale_memory_probe_runs_on_the_cpu(tmp_path, tiny_model_dir):
     out = tmp_path / "stale.json"
     assert probe.main(["--model", str(tiny_model_dir), "--out", str(out), "--dry", "--decode", "2", "--probe-tokens", "20"]) == 0
     result = json.loads(out.read_text())
-    assert result["decoded_tokens"] == 32 and result["baseline"]["moved"] is False
+    assert result["decoded_tokens"] == 32 and result["baseline"]["moved"] is False and result["turns_done"] == 1
     assert result["stale"]["found"] and result["stale"]["index"] == 1 and result["stale"]["history"]["alloc"]["frames"]
+
+
+def test_the_stale_memory_probe_resumes_each_turn_over_the_last_one(tmp_path, tiny_model_dir, capsys):
+    """``--turns 3``: each next prompt is the last prompt + its completion + 50 new tokens (a rollout's shape)."""
+    import json
+
+    probe = load_bench("stale_memory_probe")
+    out = tmp_path / "stale.json"
+    assert probe.main(["--model", str(tiny_model_dir), "--out", str(out), "--dry", "--decode", "2", "--turns", "3",
+                       "--probe-tokens", "20"]) == 0
+    result = json.loads(out.read_text())
+    assert result["turns_done"] == 3 and result["decoded_tokens"] == 3 * 32
+    lengths = [line.split("prompts of ")[1].split(" tokens")[0] for line in capsys.readouterr().out.splitlines()
+               if line.startswith("decoding turn")]
+    assert lengths == ["50-50", "102-102", "154-154"]
 
 
 def test_the_recipes_vllm_settings_reach_the_engine(monkeypatch, tiny_model_dir):
