@@ -53,7 +53,7 @@
 # bench/stale_memory_probe.py alone (does the engine read memory it freed? ~60 s a run once installed): `probe`, then
 # `wait 400 probe` -> results/stale_probe0.json (CUDA graphs, no sleep mode), 1 (graphs, sleep mode), 2 (eager), each decoding
 # 4 turns of 300 tokens over its cached prefix first (PROBE=sleep runs bench/sleep_probe.py instead; PROBE_VARIANTS="ARGS;ARGS"
-# sets the runs, one process each).
+# sets the runs, one process each; PROBE_LAYERS=0 probes the whole 4B checkpoint instead of 4 layers).
 #
 # The Qwen3.5 part again with other engine settings (after `start`): Q35_EXTRA="--data.engine.enforce_eager true" bash
 # bench/gpu_campaign.sh q35; bash bench/gpu_campaign.sh wait 540 q35 (each earlier fit's logs kept as *_tryN.log).
@@ -285,11 +285,16 @@ probe_lane() {  # PROBE=stale (bench/stale_memory_probe.py, the default) or slee
   # --eager; for sleep: --adapter); results/<PROBE>_probe<i>.json
   local p=${PROBE:-stale} script=bench/stale_memory_probe.py default="--no-sleep-mode --decode 300 --turns 4;--decode 300 --turns 4;--eager --decode 300 --turns 4" v a i=0
   [ "$p" = sleep ] && { script=bench/sleep_probe.py; default=--adapter; }
-  [ -d "$W/q35-4layers" ] || timed random_q35_4layers "${ALFRL[@]}" random-model --shape "$Q35_SHAPE" --layers 4 --out "$W/q35-4layers" || return 1
+  # PROBE_LAYERS (default 4): the checkpoint's text layers; 0 = the whole random Qwen3.5-4B ($Q35_MODEL: the 4-layer one never
+  # reproduced the NaN or the fault, 2026-12-02; its engine's first start compiles for ~200 s)
+  local model="$W/q35-${PROBE_LAYERS:-4}layers"
+  if [ "${PROBE_LAYERS:-4}" = 0 ]; then model=$Q35_MODEL
+    [ -d "$model" ] || timed random_q35 "${ALFRL[@]}" random-model --shape "$Q35_SHAPE" --out "$model" || return 1
+  else [ -d "$model" ] || timed "random_q35_${PROBE_LAYERS:-4}layers" "${ALFRL[@]}" random-model --shape "$Q35_SHAPE" --layers "${PROBE_LAYERS:-4}" --out "$model" || return 1; fi
   IFS=';' read -ra variants <<< "${PROBE_VARIANTS-$default}"
   for v in "${variants[@]}"; do
     read -ra a <<< "$v"; [ "$DRY" = 1 ] && a+=(--dry --probe-tokens 50 --decode 2)
-    timed "${p}_probe$i" timeout 600 "$PY" "$script" --model "$W/q35-4layers" --out "$W/results/${p}_probe$i.json" "${a[@]}"
+    timed "${p}_probe$i" timeout 600 "$PY" "$script" --model "$model" --out "$W/results/${p}_probe$i.json" "${a[@]}"
     i=$((i + 1))
   done
   touch "$W/probe.done"; log "probe done"
