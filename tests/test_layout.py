@@ -1,0 +1,56 @@
+"""The repository's shape as README's Layout draws it, and the 500-line limit on its text files."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# tracked files that are data, not text a reader follows: images, the tokenizer corpus of the tiny model
+NOT_TEXT = (".png", ".jpg", ".gz", ".xz")
+DATA_FILES = {"alfrl/assets/alfworld_corpus.txt"}
+
+
+def layout_block() -> str:
+    text = (ROOT / "README.md").read_text()
+    block = text.split("## Layout", 1)[1].split("\n## ", 1)[0]
+    return "\n".join(line for line in block.splitlines() if line.startswith("    "))
+
+
+def tracked_files() -> list[str]:
+    out = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    return [f for f in out.splitlines() if (ROOT / f).is_file()]
+
+
+def test_every_module_is_in_the_layout_and_every_named_module_exists():
+    block = layout_block()
+    named = set(re.findall(r"\b([a-z_]+\.py)\b", block))
+    modules = {p.name for p in (ROOT / "alfrl").glob("*.py") if p.name != "__init__.py"}
+    missing = sorted(modules - named)
+    assert not missing, f"alfrl modules not in README's Layout: {missing}"
+    stale = sorted(n for n in named if not any(ROOT.glob(f"*/{n}")) and not any(ROOT.glob(f"*/*/{n}")))
+    assert not stale, f"README's Layout names files that do not exist: {stale}"
+    for folder in re.findall(r"^    ([a-z_]+)/", block, flags=re.M):
+        assert (ROOT / folder).is_dir(), f"README's Layout names {folder}/, which does not exist"
+
+
+def test_callbacks_hold_only_callback_classes():
+    for path in (ROOT / "callbacks").glob("*.py"):
+        tops = re.findall(r"^(def|class) (\w+)", path.read_text(), flags=re.M)
+        functions = [name for kind, name in tops if kind == "def"]
+        assert not functions, f"{path.name}: library functions belong in alfrl/, not callbacks/: {functions}"
+
+
+def test_no_text_file_is_over_500_lines():
+    long = []
+    for f in tracked_files():
+        if f.endswith(NOT_TEXT) or f in DATA_FILES or f.startswith(("bench/results/", "results/")):
+            continue  # raw measured outputs are kept as they came back
+        try:
+            n = (ROOT / f).read_text().count("\n")
+        except UnicodeDecodeError:
+            continue
+        if n > 500:
+            long.append(f"{f} ({n})")
+    assert not long, f"files over 500 lines: {long}"
