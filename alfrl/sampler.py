@@ -72,6 +72,11 @@ class EngineConfig:
     (around attention), ``full`` (whole steps), ``full_decode_only``, ``full_and_piecewise`` or ``none``; null: vLLM's
     (full_and_piecewise where the attention backend allows). A diagnostic knob: on the H200 (2026-12-02) the random
     Qwen3.5-4B scored NaN after a wake-up with vLLM's default graphs and not in eager mode (bench/README.md)."""
+    torch_compile: bool | None = None
+    """vLLM: compile the model with torch.compile (``compilation_config.mode``); null: vLLM's (on unless
+    ``enforce_eager``). Off with ``cudagraph_mode: full_decode_only`` replays whole decode steps as CUDA graphs of
+    the uncompiled model; on with ``cudagraph_mode: none`` compiles without graphs: the two tell a fault of the
+    compiled code from one of the graphs (Qwen3.5 on the H200, 2026-12-02: NaN or a fault with both, clean with neither)."""
     prefix_caching: bool = True
     """vLLM: reuse the KV cache of prompt prefixes seen before (every turn's history; Qwen3.5's linear-attention
     layers in vLLM's experimental "align" mode). Off, every turn computes its whole history again."""
@@ -115,6 +120,12 @@ class EngineConfig:
                 out.append(f"{prefix}.{name}={getattr(self, name)} must be >= 1 (or null for vLLM's default)")
         if self.cudagraph_mode is not None and self.cudagraph_mode not in CUDAGRAPH_MODES:
             out.append(f"{prefix}.cudagraph_mode={self.cudagraph_mode!r} is not one of {', '.join(CUDAGRAPH_MODES)} (or null for vLLM's)")
+        if self.torch_compile and self.enforce_eager:
+            out.append(f"{prefix}.torch_compile=true contradicts {prefix}.enforce_eager=true (eager turns torch.compile off): "
+                       "set one of them")
+        if self.torch_compile is False and self.cudagraph_mode in ("piecewise", "full_and_piecewise"):
+            out.append(f"{prefix}.cudagraph_mode={self.cudagraph_mode!r} needs torch.compile (its pieces are the compiled graph's): "
+                       f"with {prefix}.torch_compile=false use full_decode_only, full or none")
         if self.gdn_prefill_backend not in (None, "triton", "flashinfer"):
             out.append(f"{prefix}.gdn_prefill_backend={self.gdn_prefill_backend!r} is not one of triton, flashinfer (or null)")
         if self.max_batch_rows < 1:
@@ -136,6 +147,8 @@ class EngineConfig:
             extra.setdefault("compilation_config", {})["max_cudagraph_capture_size"] = self.cudagraph_max_tokens
         if self.cudagraph_mode is not None:
             extra.setdefault("compilation_config", {})["cudagraph_mode"] = self.cudagraph_mode.upper()
+        if self.torch_compile is False:
+            extra.setdefault("compilation_config", {})["mode"] = 0  # vLLM's CompilationMode.NONE
         config = read_config(model_path)
         vl = is_vision_language(config)
         if self.language_model_only if self.language_model_only is not None else vl:

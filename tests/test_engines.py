@@ -103,6 +103,16 @@ def test_the_cuda_graph_size_reaches_vllm_and_is_checked(tiny_model_dir):
     assert EngineConfig(cudagraph_max_tokens=0).problems() == ["data.engine.cudagraph_max_tokens=0 must be >= 1 (or null for vLLM's default)"]
     both = EngineConfig(kind="vllm", cudagraph_max_tokens=2048, cudagraph_mode="piecewise").vllm_extra(tiny_model_dir)
     assert both == {"compilation_config": {"max_cudagraph_capture_size": 2048, "cudagraph_mode": "PIECEWISE"}}
+    # torch.compile off: graphs of the uncompiled model (full ones only), or on without graphs
+    assert EngineConfig(kind="vllm", torch_compile=False, cudagraph_mode="full_decode_only").vllm_extra(tiny_model_dir) == {
+        "compilation_config": {"cudagraph_mode": "FULL_DECODE_ONLY", "mode": 0}}
+    assert EngineConfig(kind="vllm", torch_compile=True, cudagraph_mode="none").vllm_extra(tiny_model_dir) == {
+        "compilation_config": {"cudagraph_mode": "NONE"}}
+    assert EngineConfig(torch_compile=True, enforce_eager=True).problems() == [
+        "data.engine.torch_compile=true contradicts data.engine.enforce_eager=true (eager turns torch.compile off): set one of them"]
+    assert EngineConfig(torch_compile=False, cudagraph_mode="piecewise").problems() == [
+        "data.engine.cudagraph_mode='piecewise' needs torch.compile (its pieces are the compiled graph's): "
+        "with data.engine.torch_compile=false use full_decode_only, full or none"]
     assert EngineConfig(cudagraph_mode="fast").problems() == [
         "data.engine.cudagraph_mode='fast' is not one of none, piecewise, full, full_decode_only, full_and_piecewise (or null for vLLM's)"]
 
