@@ -189,7 +189,7 @@ model_15b() {  # the staged GGUF (MODEL_PARTS pieces, staged before `start` or w
 
 figures_15b() {  # the Sampler, the update's variants, the recipe's step, a staged adapter's evaluation (Qwen2.5-1.5B)
   while [ ! -f "$W/model.done" ]; do [ -f "$W/model.failed" ] && { log "no 1.5B model: its figures skipped"; return 1; }; sleep 2; done
-  local fig_bench=(--phases ceiling runners update --profile-update "${BENCH_OVERRIDES[@]}" ${BENCH_EXTRA:-})   # BENCH_EXTRA: recipe overrides
+  local fig_bench=(--phases ceiling runners replay update --profile-update "${BENCH_OVERRIDES[@]}" ${BENCH_EXTRA:-})   # BENCH_EXTRA: recipe overrides
   [ "$DRY" = 1 ] && fig_bench=(--games 2 --dry --phases runners update --profile-update "${BENCH_OVERRIDES[@]}")
   [ "${FIG_BENCH:-1}" = 1 ] && timed bench_lora timeout $T_BENCH "$PY" bench/sampler_bench.py --recipe $RL --out "$W/results/sampler_bench_lora.json" "${fig_bench[@]}"
   [ "${MERGED_BENCH:-0}" = 1 ] && timed bench_merged timeout $T_MERGED "$PY" bench/sampler_bench.py --recipe $RL --out "$W/results/sampler_bench_merged.json" "${MERGED[@]}"
@@ -208,7 +208,7 @@ figures_15b() {  # the Sampler, the update's variants, the recipe's step, a stag
 
 rollout_pair() {  # ROLLOUT_PAIR=1: the engine alone and the asynchronous Sampler (8 x 8 x 20, seed 7) with vLLM's default CUDA
   # graphs, then with the recipe's (2,048 tokens since 2026-12-02), one process each
-  local pair=(--phases ceiling runners --schedules async "${BENCH_OVERRIDES[@]}")
+  local pair=(--phases ceiling runners replay --schedules async "${BENCH_OVERRIDES[@]}")
   [ "$DRY" = 1 ] && pair=(--games 2 --dry --phases runners --schedules async "${BENCH_OVERRIDES[@]}")
   timed rollout_default timeout $T_BENCH "$PY" bench/sampler_bench.py --recipe $RL --out "$W/results/rollout_default.json" "${pair[@]}" \
     --data.engine.cudagraph_max_tokens=null

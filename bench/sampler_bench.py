@@ -1,7 +1,7 @@
 """One GPU process, one engine, side by side: the Sampler's speed, the weight sync's checks, the update's MFU.
 
     python bench/sampler_bench.py --recipe recipes/qwen15b_coder_h200.yaml --out bench.json [--eval-out base.jsonl]
-        [--phases ceiling runners eval update sync] [--dry]
+        [--phases ceiling runners replay eval update sync] [--dry]
 
 Phases (figures into one JSON; each phase's errors are recorded, the others still run):
 - ceiling: the engine alone (no environment): 8 groups x 8 sequences sharing a 1,000-token start,
@@ -10,6 +10,7 @@ Phases (figures into one JSON; each phase's errors are recorded, the others stil
   old round-based schedule and the asynchronous one (``--schedules``): seconds, generated tokens/s, engine busy share.
 - eval: the recipe's evaluation protocol on every evaluation game (the base model, or --adapter) -> --eval-out;
   --profile-steps START:COUNT profiles that window of engine steps (torch.profiler, then cProfile) -> OUT.profile.txt.
+- replay: the engine alone playing the asynchronous rollout's own turns again (bench/replay_ceiling.py).
 - update: PPO updates on the asynchronous rollout's trajectories, one per UPDATE_VARIANTS entry (packed-row
   size, gradient checkpointing, the LoRA's float32 matmul precision): seconds, peak memory and MFU (6N, and 8N
   with the gradient-checkpoint recompute); the same packed row's log-probs under sdpa and sdpa_varlen;
@@ -411,6 +412,16 @@ def main() -> None:
                 if "ceiling" in report["phases"] and "async" in runs:
                     runs["async_over_ceiling_time"] = runs["async"]["seconds"] / report["phases"]["ceiling"]["seconds"]
                 report["phases"]["runners"] = runs
+            elif phase == "replay" and not args.dry:  # the engine alone, the async rollout's own turns (bench/replay_ceiling.py)
+                if async_result is None:
+                    async_result = sampler.rollout(games, dm.group_size, seed=7)
+                from replay_ceiling import vllm_replay
+                replayed = vllm_replay(sampler.engine, [t for g in async_result.groups for t in g.trajectories])
+                if "async" in report["phases"].get("runners", {}):
+                    replayed["async_over_replay_time"] = report["phases"]["runners"]["async"]["seconds"] / replayed["seconds"]
+                if "ceiling" in report["phases"]:
+                    replayed["replay_over_ceiling_time"] = replayed["seconds"] / report["phases"]["ceiling"]["seconds"]
+                report["phases"]["replay"] = replayed
             elif phase == "eval":
                 cfg = dm.eval_cfg
                 if args.dry:

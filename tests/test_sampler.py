@@ -151,3 +151,54 @@ def test_max_live_games_starts_the_next_game_when_one_ends(valid_games, fmt):
         assert first_request(traces[1], g) > last_event(traces[1], g - 1)
     assert first_request(traces[0], 1) < last_event(traces[0], 0)  # without the window they overlap
     assert RolloutConfig(max_live_games=-1).problems() == ["data.rollout.max_live_games=-1 must be >= 0 (0: every game at once)"]
+
+
+def test_the_replay_ceiling_plays_each_trajectorys_recorded_turns_back_to_back():
+    """bench/replay_ceiling.py on a stand-in engine that decodes one token per step: every turn's recorded prompt
+    (the tokens before its sampled span) with its recorded length forced; a trajectory's next turn goes in as soon
+    as its last one ends, so a short trajectory is not held back by a long one (no rounds)."""
+    import importlib.util
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from alfrl.types import TokenSequence
+
+    spec = importlib.util.spec_from_file_location("replay_ceiling", Path(__file__).parents[1] / "bench" / "replay_ceiling.py")
+    rc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rc)
+
+    def full(ids, spans):  # one full-history sequence: turn i's span (start, end)
+        return SimpleNamespace(sequences=(TokenSequence(tuple(ids), (0.0,) * len(ids), tuple((i, s, e) for i, (s, e) in enumerate(spans))),))
+
+    long = full(range(100, 120), [(3, 13), (15, 20)])  # turns of 10 and 5 tokens
+    short = full(range(200, 212), [(2, 4), (6, 8), (9, 11)])  # three turns of 2 tokens
+    windowed = SimpleNamespace(sequences=(TokenSequence((7, 8, 9), (0.0,) * 3, ((0, 2, 3),)),
+                                          TokenSequence((7, 8, 9, 5, 6), (0.0,) * 5, ((1, 4, 5),))))
+    assert rc.turn_requests(long) == [(tuple(range(100, 103)), 10), (tuple(range(100, 115)), 5)]
+    assert rc.turn_requests(windowed) == [((7, 8), 1), ((7, 8, 9, 5), 1)]
+
+    class Core:  # one token per step for every live request
+        def __init__(self):
+            self.live, self.seen = {}, []
+
+        def add_request(self, rid, prompt, n):
+            self.live[rid] = [n, 0]
+            self.seen.append((tuple(prompt), n))
+
+        def step(self):
+            outs = []
+            for rid, left in list(self.live.items()):
+                left[1] += 1
+                done = left[1] == left[0]
+                outs.append(SimpleNamespace(request_id=rid, finished=done, outputs=[SimpleNamespace(token_ids=[1] * left[1])]))
+                if done:
+                    del self.live[rid]
+            return outs
+
+    core = Core()
+    out = rc.replay(core, [long, short, windowed], make_params=lambda n: n)
+    assert out["turns"] == 7 and out["generated_tokens"] == 10 + 5 + 2 * 3 + 1 + 1
+    assert sorted(core.seen) == sorted(rc.turn_requests(long) + rc.turn_requests(short) + rc.turn_requests(windowed))
+    # the short trajectory's three turns all went in before the long one's second (its first takes 10 steps)
+    assert out["order"].index((1, 2)) < out["order"].index((0, 1))
+    assert out["engine_steps"] == 15  # the long trajectory's 10 + 5 tokens, the others inside them
