@@ -17,7 +17,7 @@ def test_two_ranks_take_disjoint_games_and_stay_identical(tmp_path, data_dir, ti
     root = tmp_path / "ddp"
     cmd = [sys.executable, "-m", "alfrl.cli", "fit", "--config", "recipes/tiny.yaml", "--trainer.default_root_dir", str(root),
            "--model.model_name", tiny_model_dir, "--trainer.devices", "2", "--trainer.strategy", "ddp", "--trainer.accelerator", "cpu",
-           "--data.games_per_batch", "4", "--data.env.num_workers", "1", "--data.save_rollouts", "true",
+           "--data.games_per_batch", "4", "--data.env.num_workers", "1", "--data.save_rollouts", "true", "--data.rollout.max_episode_steps", "4",
            "--trainer.logger", "lightning.pytorch.loggers.CSVLogger", "--trainer.logger.save_dir", str(root),
            "--trainer.callbacks+=tests.ddp_record.RecordRank", f"--trainer.callbacks.out={root / 'ranks'}"]
     env = dict(os.environ, ALFWORLD_DATA=data_dir, PYTHONPATH=str(REPO))
@@ -70,7 +70,8 @@ def test_a_one_process_checkpoint_resumes_on_two(tmp_path, data_dir, tiny_model_
     root = tmp_path / "run"
     env = dict(os.environ, ALFWORLD_DATA=data_dir, PYTHONPATH=str(REPO))
     base = [sys.executable, "-m", "alfrl.cli", "fit", "--config", "recipes/tiny.yaml", "--trainer.default_root_dir", str(root),
-            "--model.model_name", tiny_model_dir, "--trainer.logger", "false", "--data.env.num_workers", "1", "--data.save_rollouts", "true"]
+            "--model.model_name", tiny_model_dir, "--trainer.logger", "false", "--data.env.num_workers", "1", "--data.save_rollouts", "true",
+            "--data.rollout.max_episode_steps", "4"]  # which games each rank plays is checked, not how long they last
     out = subprocess.run([*base, "--trainer.max_steps", "1"], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     out = subprocess.run([*base, "--trainer.max_steps", "2", "--trainer.devices", "2", "--trainer.strategy", "ddp", "--trainer.accelerator", "cpu",
