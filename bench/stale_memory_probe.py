@@ -80,27 +80,38 @@ def moved(scores: list[float], base: list[float], tolerance: float) -> dict:
     return {"non_finite": bad, "max_abs_diff": largest, "moved": bad > 0 or largest > tolerance}
 
 
+def brief(block: dict) -> dict:
+    """A block's address, size and pool (what a result names it by)."""
+    return {k: block[k] for k in ("address", "size", "pool") if k in block}
+
+
+def written(poison, block: dict) -> bool:
+    """``poison(block)``; False when its pages are not mapped (RuntimeError: cudaMemset's "invalid argument"). On the
+    H200 (2026-12-02) vLLM's sleep-mode pool held such blocks while awake (``use_memory_pool`` unmaps and releases the
+    segments left empty at its end, which PyTorch's pool still lists as free)."""
+    try:
+        poison(block)
+    except RuntimeError:
+        return False
+    return True
+
+
 def find_stale(blocks: list[dict], poison, score, base: list[float], tolerance: float, log=print) -> dict:
     """Poison ``blocks`` one at a time (``poison(block)``), scoring after each (``score()``); stops at the first block
-    after which the scores moved from ``base``. Each block is logged before it is written, so a fault names it.
-    A block ``poison`` cannot write (RuntimeError: its pages are not mapped) is skipped and counted: on the H200
-    (2026-12-02) vLLM's sleep-mode pool held such blocks while awake (``use_memory_pool`` unmaps and releases the
-    segments left empty at its end, which PyTorch's pool still lists as free)."""
+    after which the scores moved from ``base``. Each block is logged before it is written, so a fault names it. A block
+    whose pages are not mapped is skipped and listed (``written``)."""
     unmapped: list[dict] = []
     for i, b in enumerate(blocks):
         log(f"poisoning block {i + 1}/{len(blocks)}: address {b['address']:#x}, {b['size']} bytes", flush=True)
-        try:
-            poison(b)
-        except RuntimeError as e:
-            log(f"  not written ({e}): skipped", flush=True)
-            unmapped.append({k: b[k] for k in ("address", "size", "pool") if k in b})
+        if not written(poison, b):
+            log("  not mapped: skipped", flush=True)
+            unmapped.append(brief(b))
             continue
         change = moved(score(), base, tolerance)
         if change["moved"]:
-            return {"found": True, "index": i, "block": {k: b[k] for k in ("address", "size", "pool") if k in b}, **change,
-                    "unmapped": unmapped}
-    written = [b for b in blocks if {k: b[k] for k in ("address", "size", "pool") if k in b} not in unmapped]
-    return {"found": False, "blocks": len(written), "bytes": sum(b["size"] for b in written), "unmapped": unmapped}
+            return {"found": True, "index": i, "block": brief(b), **change, "unmapped": unmapped}
+    return {"found": False, "blocks": len(blocks) - len(unmapped),
+            "bytes": sum(b["size"] for b in blocks) - sum(b["size"] for b in unmapped), "unmapped": unmapped}
 
 
 def sleep_cycle(engine, poison, score, base: list[float], tolerance: float) -> dict:
@@ -113,15 +124,11 @@ def sleep_cycle(engine, poison, score, base: list[float], tolerance: float) -> d
     asleep = [(ptr, data.handle[1]) for ptr, data in CuMemAllocator.get_instance().pointer_to_data.items()]
     blocks = [b for b in inactive_blocks(torch.cuda.memory._snapshot()["segments"])
               if not any(p <= b["address"] < p + n for p, n in asleep)]  # the sleeping pool's pages are unmapped
-    skipped = 0
-    for b in blocks:
-        try:
-            poison(b)
-        except RuntimeError:  # not mapped (see find_stale)
-            skipped += 1
+    poisoned = sum(written(poison, b) for b in blocks)
     filled_gib = poison_free_memory(0.9)
     engine.wake_up()
-    return {"blocks_poisoned": len(blocks) - skipped, "blocks_unmapped": skipped, "free_gib_poisoned": filled_gib, **moved(score(), base, tolerance)}
+    return {"blocks_poisoned": poisoned, "blocks_unmapped": len(blocks) - poisoned, "free_gib_poisoned": filled_gib,
+            **moved(score(), base, tolerance)}
 
 
 def gpu_poison():
