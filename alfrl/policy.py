@@ -32,6 +32,7 @@ from alfrl.types import Sample
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 MATMUL_PRECISIONS = ("highest", "high", "medium")
+ADAPTER_DTYPES = ("float32", "bfloat16")
 log = logging.getLogger("alfrl")
 
 
@@ -51,6 +52,8 @@ class AlfrlPolicy(L.LightningModule):
         gradient_checkpointing: bool = False,
         linear_attention_kernel: str = "auto",
         float32_matmul_precision: str = "highest",
+        adapter_dtype: str = "float32",
+        compile_layers: bool = False,
         init_adapter: str | None = None,
         lora: LoRAConfig = LoRAConfig(),
         optim: OptimizerConfig = OptimizerConfig(),
@@ -73,6 +76,13 @@ class AlfrlPolicy(L.LightningModule):
             float32_matmul_precision: torch's, set before each update: the LoRA weights are float32, so peft runs the
                 adapter's matmuls in float32 beside the bf16 base; ``high`` lets them use TF32 tensor cores
                 (10-bit mantissa, still finer than the bf16 base), ``highest`` keeps full float32. Process-wide.
+            adapter_dtype: what the adapter's matmuls run in when the trainer scores tokens (update, old log-probs,
+                probe): ``float32`` (peft's way: the bf16 activations cast to float32 beside the bf16 base) or
+                ``bfloat16`` (under bf16 autocast, the activations as they are; vLLM serves the adapter in bf16 too).
+                The LoRA weights, their gradients and AdamW's state stay float32 either way. ``bfloat16`` needs a
+                bf16 model (``dtype: bfloat16``, or ``auto`` on a GPU).
+            compile_layers: torch.compile each decoder layer's MLP and norms for training (alfrl.models.compile_layers:
+                fused elementwise work, dynamic shapes; the first update compiles). Attention stays eager.
             init_adapter: start from this LoRA adapter (a checkpoint folder, its adapter/ or trainer.ckpt,
                 e.g. an ``alfrl sft`` run's); null starts from B = 0.
             lora: the adapter (rank, alpha, dropout, target modules).
@@ -91,6 +101,7 @@ class AlfrlPolicy(L.LightningModule):
         """How many updates the weights have seen (logged by the weight sync)."""
         self.skipped_steps = 0
         """Optimizer steps skipped for a non-finite gradient (logged)."""
+        self._lora_layers: list[torch.nn.Module] | None = None
         self.linear_attention = None
         """The kernel chosen for linear-attention layers (alfrl.linear_attention.Choice), before the first update."""
 
@@ -114,9 +125,12 @@ class AlfrlPolicy(L.LightningModule):
         if not args.get("model_name"):
             out.append(f"{prefix}.model_name is empty: set a hub name or a local model folder")
         for key, default, allowed in (("dtype", "auto", DTYPES), ("float32_matmul_precision", "highest", MATMUL_PRECISIONS),
-                                      ("linear_attention_kernel", "auto", KERNELS)):
+                                      ("linear_attention_kernel", "auto", KERNELS), ("adapter_dtype", "float32", ADAPTER_DTYPES)):
             if args.get(key, default) not in allowed:
                 out.append(f"{prefix}.{key}={args.get(key)!r}: choose one of {', '.join(allowed)}")
+        if args.get("adapter_dtype") == "bfloat16" and args.get("dtype", "auto") in ("float16", "float32"):
+            out.append(f"{prefix}.adapter_dtype=bfloat16 needs a bf16 model, and {prefix}.dtype is {args.get('dtype')}: "
+                       f"set {prefix}.dtype to bfloat16 (or auto on a GPU), or {prefix}.adapter_dtype to float32")
         for key, cls in (("lora", LoRAConfig), ("optim", OptimizerConfig), ("ppo", PPOConfig)):
             try:
                 out.extend(_as(cls, args.get(key, cls())).problems(f"{prefix}.{key}"))
@@ -157,6 +171,10 @@ class AlfrlPolicy(L.LightningModule):
         config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=lora.target_modules,
                             bias="none", task_type="CAUSAL_LM")
         self.model = get_peft_model(base, config)
+        if hp.get("compile_layers", False):
+            from alfrl.models import compile_layers
+
+            compile_layers(base)
         if hp.init_adapter:
             self.load_adapter(hp.init_adapter)
 
@@ -233,9 +251,27 @@ class AlfrlPolicy(L.LightningModule):
         rows = pack_microbatches([len(samples[i]) for i in idx], self.ppo.microbatch_tokens, pack=self.packable)
         return [collate(samples, [idx[j] for j in row], self.device) for row in rows]
 
+    def scoring(self):
+        """The context of every forward that scores tokens (``model.adapter_dtype``): with ``bfloat16``, bf16 autocast and
+        peft's cast of the activations to the adapter's float32 turned off, so the adapter's matmuls run on bf16 tensor
+        cores from its float32 weights; with ``float32``, peft's default."""
+        bf16 = self.hparams.get("adapter_dtype", "float32") == "bfloat16"
+        if bf16 and self.torch_dtype() != torch.bfloat16:
+            raise ValueError(f"model.adapter_dtype=bfloat16 needs a bf16 model and this one is {self.torch_dtype()}: "
+                             "set model.dtype to bfloat16 (or auto on a GPU), or model.adapter_dtype to float32")
+        if self._lora_layers is None:
+            from peft.tuners.tuners_utils import BaseTunerLayer
+
+            self._lora_layers = [m for m in self.model.modules() if isinstance(m, BaseTunerLayer)]
+        for layer in self._lora_layers:
+            layer.cast_input_dtype_enabled = not bf16
+        return torch.autocast(self.device.type, dtype=torch.bfloat16) if bf16 else nullcontext()
+
     def logprobs_of(self, mb: MicroBatch, temperature: float = 1.0) -> torch.Tensor:
         """(N,) the trainer's log-probs of the micro-batch's trained tokens at ``temperature``."""
-        return predicted_logprobs(self.model, mb.input_ids, mb.predict_mask, mb.position_ids, None, self.ppo.logprob_chunk_size, temperature)
+        with self.scoring():
+            return predicted_logprobs(self.model, mb.input_ids, mb.predict_mask, mb.position_ids, None, self.ppo.logprob_chunk_size,
+                                      temperature)
 
     @torch.no_grad()
     def score(self, sequence: list[int]) -> list[float]:
@@ -244,7 +280,8 @@ class AlfrlPolicy(L.LightningModule):
         self.model.eval()
         try:
             ids = torch.tensor([sequence], device=self.device)
-            return [0.0] + sequence_logprobs(self.model, ids, torch.ones_like(ids), self.ppo.logprob_chunk_size)[0].tolist()
+            with self.scoring():
+                return [0.0] + sequence_logprobs(self.model, ids, torch.ones_like(ids), self.ppo.logprob_chunk_size)[0].tolist()
         finally:
             self.model.train(was_training)
 

@@ -22,7 +22,7 @@
 # to the Sampler's benchmark (e.g. --data.engine.cudagraph_max_tokens=2048); FIT_STEPS=0 skips the two `alfrl fit` steps.
 # The seventh lease (2026-12-01) ran out during the Qwen3.5 update: with the second evaluation the lane needs more than
 # one lease; order what matters first (Q35_FIRST=1 runs the Qwen3.5 part first; GRAPH_TOKENS=0, FIT_STEPS=0, FIG_BENCH=0
-# shorten it; ROLLOUT_PAIR=1 adds the rollout with vLLM's default graphs and the recipe's, last). With Q35_FIRST=1
+# shorten it, Q35_PART=0 leaves the Qwen3.5 part out; ROLLOUT_PAIR=1 adds the rollout with vLLM's default graphs and the recipe's, last). With Q35_FIRST=1
 # `start` needs no model piece: stage the kit, .gpu-extra, the adapter, then `start` (carry .gpu-data), then m01..m20
 # while the Qwen3.5 part runs (the 1.5B part waits for the 20th piece).
 # The compilers' caches come back with `caches 0`, `caches 1`, ... (4 pieces a call); here `cache-pieces DIR` lays
@@ -172,7 +172,7 @@ bench_lane() {  # alone on the GPU: the two sync modes side by side first, then 
 
 figures_lane() {  # every figure alone on the GPU, one after another; a phase that fails or overruns does not stop the next
   # Q35_FIRST=1: the Qwen3.5 part first (the seventh lease ran out during it, after the 1.5B figures)
-  if [ "${Q35_FIRST:-0}" = 1 ]; then q35_figures; figures_15b; else figures_15b; q35_figures; fi
+  if [ "${Q35_FIRST:-0}" = 1 ]; then q35_figures; figures_15b; else figures_15b; [ "${Q35_PART:-1}" = 0 ] || q35_figures; fi
 }
 
 model_15b() {  # the staged GGUF (MODEL_PARTS pieces, staged before `start` or while the Qwen3.5 part runs) -> a Hugging Face folder
@@ -194,8 +194,10 @@ figures_15b() {  # the Sampler, the update's variants, the recipe's step, a stag
   [ "${FIG_BENCH:-1}" = 1 ] && timed bench_lora timeout $T_BENCH "$PY" bench/sampler_bench.py --recipe $RL --out "$W/results/sampler_bench_lora.json" "${fig_bench[@]}"
   [ "${MERGED_BENCH:-0}" = 1 ] && timed bench_merged timeout $T_MERGED "$PY" bench/sampler_bench.py --recipe $RL --out "$W/results/sampler_bench_merged.json" "${MERGED[@]}"
   # the 1.5B recipe's step measured as `alfrl fit` runs it (rollout, update, sync), alone: 2 updates, timings in its CSV
+  # (more overrides for it: FIT_EXTRA, or $W/fit_extra, read when the fit starts: written by a call while the benchmark runs)
   [ "${FIT_STEPS:-2}" -gt 0 ] && timed fit_15b timeout $T_FIT "${ALFRL[@]}" fit --config $RL "${MODEL[@]}" "${FIT_ARGS[@]}" \
-    --trainer.max_steps "${FIT_STEPS:-2}" --trainer.default_root_dir "$RUN/fit_15b" --checkpoint.save_every 0 --progress_bar.refresh_rate 0
+    --trainer.max_steps "${FIT_STEPS:-2}" --trainer.default_root_dir "$RUN/fit_15b" --checkpoint.save_every 0 --progress_bar.refresh_rate 0 \
+    ${FIT_EXTRA:-} $(cat "$W/fit_extra" 2>/dev/null)
   # a brought-back adapter's 274-game evaluation alone (the Sampler's evaluate, as `alfrl eval`), a window of its
   # engine steps profiled (torch.profiler, then cProfile): where an engine step's time goes
   if ls /tmp/adapter-stage/*.part* > /dev/null 2>&1; then
@@ -425,7 +427,7 @@ case "${1:-}" in
     if [ "$DRY" != 1 ]; then
       while [ ! -f "$W/install.done" ]; do sleep 2; done
       "${ALFRL[@]}" data prepare --data-dir .cache/alfworld --archive /tmp/gpu-data/json_2.1.1.tar.xz || exit 1
-      [ "$PLAN" = figures ] && { timed random_q35 "${ALFRL[@]}" random-model --shape $Q35_SHAPE --out $Q35_MODEL; touch "$W/q35model.done"; } &
+      [ "$PLAN" = figures ] && [ "${Q35_PART:-1}" = 1 ] && { timed random_q35 "${ALFRL[@]}" random-model --shape $Q35_SHAPE --out $Q35_MODEL; touch "$W/q35model.done"; } &
       if [ "$PLAN" = figures ] && [ "${Q35_FIRST:-0}" = 1 ]; then
         # the Qwen3.5 part needs no 1.5B model: it starts now, the GGUF is staged during it (the 1.5B part waits for it)
         model_15b &

@@ -12,9 +12,10 @@ Phases (figures into one JSON; each phase's errors are recorded, the others stil
   --profile-steps START:COUNT profiles that window of engine steps (torch.profiler, then cProfile) -> OUT.profile.txt.
 - replay: the engine alone playing the asynchronous rollout's own turns again (bench/replay_ceiling.py).
 - update: PPO updates on the asynchronous rollout's trajectories, one per UPDATE_VARIANTS entry (packed-row
-  size, gradient checkpointing, the LoRA's float32 matmul precision): seconds, peak memory and MFU (6N, and 8N
-  with the gradient-checkpoint recompute); the same packed row's log-probs under sdpa and sdpa_varlen;
-  ``--profile-update``: the first variant once more under torch.profiler -> OUT.update_profile.txt.
+  size, gradient checkpointing, the LoRA's float32 matmul precision, the adapter's dtype, compiled layers): seconds,
+  peak memory and MFU (6N, and 8N with the gradient-checkpoint recompute), each compiling variant after an untimed
+  warm-up; the same packed row's log-probs under sdpa and sdpa_varlen;
+  ``--profile-update``: PROFILED_VARIANT once more under torch.profiler -> OUT.update_profile.txt.
 - sync: in the recipe's sync mode (run twice, ``--data.engine.weight_sync=lora`` then ``=merged``, for
   the side by side): decode speed of one batch with a non-zero adapter, the probe gap and response
   after 1 and 10 updates at lr 1e-6, and skipped syncs after an update at lr 1e-6 and at 1e-4.
@@ -110,14 +111,17 @@ def model_flops(policy) -> tuple[float, float]:
     return float(body), float(head)
 
 
-UPDATE_VARIANTS = (  # (name, attention, micro-batch tokens, gradient checkpointing, float32 matmul precision), the same samples
-    ("varlen_rows16384", "sdpa_varlen", 16384, False, "highest"),  # the 1.5B recipes since 2026-12-01
-    ("varlen_rows16384_tf32", "sdpa_varlen", 16384, False, "high"),  # the LoRA's float32 matmuls on TF32 tensor cores
+UPDATE_VARIANTS = (  # (name, attention, micro-batch tokens, gradient checkpointing, float32 matmul precision, adapter dtype,
+    # compiled layers), the same samples
+    ("varlen_rows16384", "sdpa_varlen", 16384, False, "highest", "float32", False),  # the 1.5B recipes since 2026-12-01
+    ("varlen_rows16384_tf32", "sdpa_varlen", 16384, False, "high", "float32", False),  # the LoRA's float32 matmuls on TF32
+    ("varlen_rows16384_bf16", "sdpa_varlen", 16384, False, "highest", "bfloat16", False),  # the adapter in bf16 (autocast)
+    ("varlen_rows16384_bf16_compiled", "sdpa_varlen", 16384, False, "highest", "bfloat16", True),  # + MLP and norms compiled
+    ("varlen_rows32768_bf16_compiled", "sdpa_varlen", 32768, False, "highest", "bfloat16", True),  # longer rows (no float32 copies)
     # checkpointing in effect since 2026-12-01 (before, nothing was recomputed): its cost, and the longer rows it allows
-    # (32,768-token rows ran out of memory without it, 2026-12-01)
-    ("varlen_rows16384_checkpointed", "sdpa_varlen", 16384, True, "highest"),
-    ("varlen_rows32768_checkpointed", "sdpa_varlen", 32768, True, "highest"),
+    ("varlen_rows32768_bf16_compiled_checkpointed", "sdpa_varlen", 32768, True, "highest", "bfloat16", True),
 )
+PROFILED_VARIANT = "varlen_rows16384_bf16_compiled"
 
 
 def _set_attention(policy, name: str) -> None:
@@ -135,11 +139,16 @@ def _set_checkpointing(policy, on: bool) -> None:
     set_gradient_checkpointing(causal_lm_of(policy.model), on)
 
 
-def _apply_variant(policy, attn: str, rows: int, ckpt: bool, precision: str) -> None:
-    """One UPDATE_VARIANTS entry's settings on the policy (the precision is set by the update itself)."""
+def _apply_variant(policy, attn: str, rows: int, ckpt: bool, precision: str, adapter_dtype: str, compiled: bool) -> None:
+    """One UPDATE_VARIANTS entry's settings on the policy (the precision and the adapter's dtype take effect in the update)."""
+    from alfrl.logprobs import causal_lm_of
+    from alfrl.models import compile_layers
+
     _set_attention(policy, attn)
     _set_checkpointing(policy, ckpt)
     policy.hparams.float32_matmul_precision = precision
+    policy.hparams.adapter_dtype = adapter_dtype
+    compile_layers(causal_lm_of(policy.model), on=compiled)
     policy.hparams.ppo = dataclasses.replace(policy.ppo, microbatch_tokens=rows)
 
 
@@ -153,6 +162,7 @@ def update_phase(policy, samples, temperature: float, variants=UPDATE_VARIANTS, 
     ppo0, attn0 = policy.ppo, policy.hparams.attn_implementation
     ckpt0 = bool(policy.hparams.gradient_checkpointing)
     precision0 = policy.hparams.get("float32_matmul_precision", "highest")
+    adapter0, compiled0 = policy.hparams.get("adapter_dtype", "float32"), bool(policy.hparams.get("compile_layers", False))
     policy.hparams.ppo = dataclasses.replace(ppo0, old_logprobs="sampler")
     try:  # the same packed row scored both ways: the new attention must give the old one's log-probs
         _set_checkpointing(policy, False)
@@ -170,11 +180,19 @@ def update_phase(policy, samples, temperature: float, variants=UPDATE_VARIANTS, 
     except Exception:  # noqa: BLE001 - recorded; the timings still run
         out["varlen_check"] = {"error": traceback.format_exc(limit=4)}
     optimizer = torch.optim.AdamW(policy.trainable_parameters(), lr=1e-6, betas=(0.9, 0.95))
-    for name, attn, rows, ckpt, precision in (("warm-up", *variants[0][1:]), *variants):
+    # a variant that compiles (or the first) runs once untimed before: its first update includes Inductor's compilation
+    runs, compiled_before = [], None
+    for name, *settings in variants:
+        if compiled_before is None or settings[-1] != compiled_before:
+            runs.append((f"{name}: warm-up", settings))
+        runs.append((name, settings))
+        compiled_before = settings[-1]
+    for name, settings in runs:
+        attn, rows, ckpt, precision, adapter_dtype, compiled = settings
         run = {"variant": name, "attention": attn, "microbatch_tokens": rows, "gradient_checkpointing": ckpt,
-               "float32_matmul_precision": precision}
+               "float32_matmul_precision": precision, "adapter_dtype": adapter_dtype, "compiled_layers": compiled}
         try:
-            _apply_variant(policy, attn, rows, ckpt, precision)
+            _apply_variant(policy, *settings)
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
                 torch.cuda.synchronize()
@@ -185,15 +203,17 @@ def update_phase(policy, samples, temperature: float, variants=UPDATE_VARIANTS, 
                         "rows": len(policy.microbatches(samples, list(range(len(samples))))),
                         "mfu_6n": train_flops / seconds / (DENSE_BF16_TFLOPS * 1e12),
                         "mfu_6n_plus_recompute": (train_flops + recompute) / seconds / (DENSE_BF16_TFLOPS * 1e12),
-                        "tokens_per_second": tokens / seconds})
+                        "tokens_per_second": tokens / seconds,
+                        # the trainer against the sampler on the trained tokens, before this update's optimizer step
+                        "sampler_trainer_abs_logprob_diff": stats["sampler_trainer_abs_logprob_diff"]})
         except Exception:  # noqa: BLE001 - an out-of-memory variant is a figure too
             run["error"] = traceback.format_exc(limit=4)
         out["runs"].append(run)
-    if profile_path:  # the first variant once more under torch.profiler: where an update's time goes
+    if profile_path:  # one variant once more under torch.profiler: where an update's time goes
         try:
             from torch.profiler import ProfilerActivity, profile
 
-            name, *settings = variants[0]
+            name, *settings = next((v for v in variants if v[0] == PROFILED_VARIANT), variants[0])
             _apply_variant(policy, *settings)
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
             with profile(activities=activities) as prof:
@@ -201,9 +221,7 @@ def update_phase(policy, samples, temperature: float, variants=UPDATE_VARIANTS, 
             out["profile"] = {"variant": name, "seconds": seconds, **profile_tables(prof, seconds, profile_path, f"update ({name})")}
         except Exception:  # noqa: BLE001 - recorded; the other figures stand
             out["profile"] = {"error": traceback.format_exc(limit=4)}
-    _set_attention(policy, attn0 or "sdpa")
-    _set_checkpointing(policy, ckpt0)
-    policy.hparams.float32_matmul_precision = precision0
+    _apply_variant(policy, attn0 or "sdpa", ppo0.microbatch_tokens, ckpt0, precision0, adapter0, compiled0)
     policy.hparams.ppo = ppo0
     return out
 
@@ -369,7 +387,7 @@ def main() -> None:
                         help="runners phase: which runners play the games (async alone halves the phase)")
     parser.add_argument("--adapter", default=None, help="eval phase: this adapter (a checkpoint folder or its adapter/) into the engine")
     parser.add_argument("--profile-steps", default=None, help="eval phase: START:COUNT engine steps profiled (torch.profiler, then cProfile)")
-    parser.add_argument("--profile-update", action="store_true", help="update phase: the first variant once more under torch.profiler -> OUT.update_profile.txt")
+    parser.add_argument("--profile-update", action="store_true", help="update phase: PROFILED_VARIANT once more under torch.profiler -> OUT.update_profile.txt")
     parser.add_argument("--dry", action="store_true", help="CPU check with the recipe's HF engine (no vLLM phases)")
     parser.add_argument("overrides", nargs="*", help="recipe overrides, e.g. --data.engine.gpu_memory_utilization=0.5")
     args = parser.parse_args()

@@ -289,3 +289,83 @@ def test_the_update_sets_the_float32_matmul_precision_of_the_recipe(random_model
         torch.set_float32_matmul_precision(before)
     problems = AlfrlPolicy.problems({"model_name": random_model_dir, "float32_matmul_precision": "tf32"})
     assert problems == ["model.float32_matmul_precision='tf32': choose one of highest, high, medium"]
+
+
+def _adapter_inputs(policy, samples) -> set:
+    """The dtypes the adapter's first matrices (lora_A) received during one update."""
+    seen = set()
+    hooks = [m.register_forward_hook(lambda mod, args, out: seen.add((args[0].dtype, out.dtype)))
+             for n, m in policy.model.named_modules() if n.endswith("lora_A.default")]
+    try:
+        policy.update(samples, optimizer=torch.optim.AdamW(policy.trainable_parameters(), lr=1e-3))
+    finally:
+        for h in hooks:
+            h.remove()
+    return seen
+
+
+def test_adapter_dtype_bfloat16_runs_the_adapter_in_bf16_and_keeps_float32_weights(random_model_dir):
+    # model.adapter_dtype: bfloat16 autocast without peft's float32 cast of the activations; the weights, their gradients
+    # and AdamW's state stay float32, and the log-probs stay those of the float32 adapter within bf16 rounding
+    torch.manual_seed(5)
+    samples = [_sample(torch.randint(0, 1000, (n,)).tolist(), n // 3, a, traj=k) for k, (n, a) in enumerate(((24, 1.0), (30, -1.0)))]
+    got = {}
+    for adapter_dtype in ("float32", "bfloat16"):
+        policy = AlfrlPolicy(model_name=random_model_dir, dtype="bfloat16", lora=LORA8, adapter_dtype=adapter_dtype,
+                             ppo=PPOConfig(microbatch_tokens=256))
+        torch.manual_seed(0)  # the same LoRA A for both
+        policy.configure_model()
+        for name, param in policy.model.named_parameters():
+            if "lora_B" in name:
+                param.data.normal_(0, 0.05)
+        mb = policy.microbatches(samples, [0, 1])[0]
+        with torch.no_grad():
+            got[adapter_dtype] = policy.logprobs_of(mb).float()
+        inputs = _adapter_inputs(policy, samples)
+        assert inputs == ({(torch.float32, torch.float32)} if adapter_dtype == "float32" else {(torch.bfloat16, torch.bfloat16)})
+        lora = [p for n, p in policy.model.named_parameters() if "lora_" in n]
+        assert lora and all(p.dtype == torch.float32 and p.requires_grad for p in lora)
+    assert (got["float32"] - got["bfloat16"]).abs().max() < 0.05  # 0.0049 on the CPU
+    assert not torch.equal(got["float32"], got["bfloat16"])  # the two really computed differently
+
+
+def test_adapter_dtype_bfloat16_needs_a_bf16_model(random_model_dir):
+    problems = AlfrlPolicy.problems({"model_name": random_model_dir, "dtype": "float32", "adapter_dtype": "bfloat16"})
+    assert problems == ["model.adapter_dtype=bfloat16 needs a bf16 model, and model.dtype is float32: set model.dtype to "
+                        "bfloat16 (or auto on a GPU), or model.adapter_dtype to float32"]
+    assert AlfrlPolicy.problems({"model_name": random_model_dir, "adapter_dtype": "fp16"}) == [
+        "model.adapter_dtype='fp16': choose one of float32, bfloat16"]
+    policy = AlfrlPolicy(model_name=random_model_dir, dtype="float32", lora=LORA8, adapter_dtype="bfloat16")
+    policy.configure_model()
+    with pytest.raises(ValueError, match="adapter_dtype=bfloat16 needs a bf16 model"):
+        policy.score([1, 2, 3])
+
+
+def test_compile_layers_gives_the_same_log_probs_and_gradients_and_keeps_the_names(random_model_dir):
+    # model.compile_layers: each decoder layer's MLP and norms through torch.compile (dynamic shapes), in place
+    from alfrl.logprobs import causal_lm_of
+    from alfrl.models import compile_layers
+
+    torch.manual_seed(6)
+    samples = [_sample(torch.randint(0, 1000, (n,)).tolist(), n // 3, a, traj=k) for k, (n, a) in enumerate(((24, 1.0), (31, -1.0), (17, 0.5)))]
+    got = {}
+    for compiled in (False, True):
+        policy = AlfrlPolicy(model_name=random_model_dir, dtype="float32", lora=LORA8, compile_layers=compiled,
+                             ppo=PPOConfig(microbatch_tokens=48))  # rows of different lengths: dynamic shapes
+        torch.manual_seed(0)
+        policy.configure_model()
+        for name, param in policy.model.named_parameters():
+            if "lora_B" in name:
+                param.data.normal_(0, 0.05)
+        names = [n for n, _ in policy.model.named_parameters()]
+        stats = policy.update(samples, optimizer=torch.optim.SGD(policy.trainable_parameters(), lr=1.0))  # weights move by the gradient
+        after = {n: p.detach().clone() for n, p in policy.model.named_parameters() if "lora_" in n}
+        got[compiled] = (names, stats["loss"], policy.score(samples[0].token_ids_T.tolist()), after)
+        parts = [m for layer in causal_lm_of(policy.model).get_decoder().layers for m in (layer.mlp, layer.input_layernorm)]
+        assert all((m._compiled_call_impl is not None) == compiled for m in parts)
+    assert got[False][0] == got[True][0]  # parameter (and adapter) names unchanged
+    assert got[True][1] == pytest.approx(got[False][1], abs=1e-5)
+    assert got[True][2] == pytest.approx(got[False][2], abs=1e-4)
+    assert max(float((got[True][3][n] - got[False][3][n]).abs().max()) for n in got[False][3]) < 1e-5
+    assert compile_layers(causal_lm_of(policy.model), on=False) == 3 * len(causal_lm_of(policy.model).get_decoder().layers)
+    assert all(m._compiled_call_impl is None for m in parts)
