@@ -189,8 +189,8 @@ model_15b() {  # the staged GGUF (MODEL_PARTS pieces, staged before `start` or w
 
 figures_15b() {  # the Sampler, the update's variants, the recipe's step, a staged adapter's evaluation (Qwen2.5-1.5B)
   while [ ! -f "$W/model.done" ]; do [ -f "$W/model.failed" ] && { log "no 1.5B model: its figures skipped"; return 1; }; sleep 2; done
-  local fig_bench=(--phases ceiling runners replay update --profile-update "${BENCH_OVERRIDES[@]}" ${BENCH_EXTRA:-})   # BENCH_EXTRA: recipe overrides
-  [ "$DRY" = 1 ] && fig_bench=(--games 2 --dry --phases runners update --profile-update "${BENCH_OVERRIDES[@]}")
+  local fig_bench=(--phases ceiling runners replay update --profile-update --profile-rollout 1000:40 "${BENCH_OVERRIDES[@]}" ${BENCH_EXTRA:-})   # BENCH_EXTRA: recipe overrides
+  [ "$DRY" = 1 ] && fig_bench=(--games 2 --dry --phases runners update --profile-update --profile-rollout 3:4 "${BENCH_OVERRIDES[@]}")
   [ "${FIG_BENCH:-1}" = 1 ] && timed bench_lora timeout $T_BENCH "$PY" bench/sampler_bench.py --recipe $RL --out "$W/results/sampler_bench_lora.json" "${fig_bench[@]}"
   [ "${MERGED_BENCH:-0}" = 1 ] && timed bench_merged timeout $T_MERGED "$PY" bench/sampler_bench.py --recipe $RL --out "$W/results/sampler_bench_merged.json" "${MERGED[@]}"
   # the 1.5B recipe's step measured as `alfrl fit` runs it (rollout, update, sync), alone: 2 updates, timings in its CSV

@@ -7,7 +7,8 @@ Phases (figures into one JSON; each phase's errors are recorded, the others stil
 - ceiling: the engine alone (no environment): 8 groups x 8 sequences sharing a 1,000-token start,
   20 turns of exactly 40 sampled + 250 appended tokens, each turn submitted when the last came back.
 - runners: the same 8 training games x 8 trajectories (recipe's episode limits, same seeds) through the
-  old round-based schedule and the asynchronous one (``--schedules``): seconds, generated tokens/s, engine busy share.
+  old round-based schedule and the asynchronous one (``--schedules``): seconds, generated tokens/s, engine busy share;
+  --profile-rollout START:COUNT: then one more asynchronous rollout with that window of engine steps profiled.
 - eval: the recipe's evaluation protocol on every evaluation game (the base model, or --adapter) -> --eval-out;
   --profile-steps START:COUNT profiles that window of engine steps (torch.profiler, then cProfile) -> OUT.profile.txt.
 - replay: the engine alone playing the asynchronous rollout's own turns again (bench/replay_ceiling.py).
@@ -387,6 +388,8 @@ def main() -> None:
                         help="runners phase: which runners play the games (async alone halves the phase)")
     parser.add_argument("--adapter", default=None, help="eval phase: this adapter (a checkpoint folder or its adapter/) into the engine")
     parser.add_argument("--profile-steps", default=None, help="eval phase: START:COUNT engine steps profiled (torch.profiler, then cProfile)")
+    parser.add_argument("--profile-rollout", default=None, help="runners phase: one more asynchronous rollout with engine steps "
+                        "START:COUNT profiled (torch.profiler, then cProfile) -> OUT.rollout_profile.txt")
     parser.add_argument("--profile-update", action="store_true", help="update phase: PROFILED_VARIANT once more under torch.profiler -> OUT.update_profile.txt")
     parser.add_argument("--dry", action="store_true", help="CPU check with the recipe's HF engine (no vLLM phases)")
     parser.add_argument("overrides", nargs="*", help="recipe overrides, e.g. --data.engine.gpu_memory_utilization=0.5")
@@ -425,6 +428,13 @@ def main() -> None:
                     runs[schedule] = rollout_figures(result, seconds)
                     async_result = result
                 sampler.rollout_cfg = dm.rollout
+                if args.profile_rollout:  # one more asynchronous rollout (untimed figures above) with a window of its steps profiled
+                    first, count = (int(x) for x in args.profile_rollout.split(":"))
+                    profiled, finish = profile_window(sampler.engine, first, count, args.out + ".rollout_profile.txt")
+                    sampler.rollout_cfg = dataclasses.replace(dm.rollout, schedule="async")
+                    result, seconds = timed(lambda: sampler.rollout(games, dm.group_size, seed=7))
+                    finish()
+                    runs["profiled_async"] = {**rollout_figures(result, seconds), "profile": profiled}
                 if "rounds" in runs and "async" in runs:
                     runs["async_over_rounds_speedup"] = runs["rounds"]["seconds"] / runs["async"]["seconds"]
                 if "ceiling" in report["phases"] and "async" in runs:
