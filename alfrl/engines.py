@@ -49,6 +49,9 @@ class SamplingRequest:
     max_new_tokens: int
     stop_token_ids: tuple[int, ...]
     seed: int | None = None
+    stop_strings: tuple[str, ...] = ()
+    """Text that ends the completion: an engine that can stop on it does (vLLM started with ``stop_strings``), the
+    others generate on; the rollout cuts every completion after the token that completes one either way."""
 
 
 @dataclass(frozen=True)

@@ -188,6 +188,7 @@ class RolloutRunner:
             max_new_tokens=budget,
             stop_token_ids=self.fmt.stop_token_ids,
             seed=request_seed(seed, game_id, t.index if n == 1 else -1, len(t.turns)),
+            stop_strings=self.cfg.stop_strings,
         )
 
     def parse(self, c: Completion) -> tuple[Completion, protocol.ParsedAction]:

@@ -251,6 +251,7 @@ class Sampler:
                 seed=seed + rank,
                 lora_rank=policy.lora.rank if engine.weight_sync == "lora" else None,
                 extra=engine.vllm_extra(path),
+                stop_strings=bool(rollout.stop_strings),  # evaluation's rollouts take the training ones' stop strings
             )
         pool = EnvPool(env.num_workers, env.step_timeout, env.reset_timeout) if with_pool else None
         return cls(sampling, pool, fmt, rollout, reward, evaluation, engine)

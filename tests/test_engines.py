@@ -215,12 +215,19 @@ def test_each_vllm_request_gets_its_own_sampling_params_which_vllm_need_not_deep
     for name, mod in (("vllm", vllm), ("vllm.inputs", inputs), ("vllm.sampling_params", sp)):
         monkeypatch.setitem(sys.modules, name, mod)
     engine = object.__new__(VLLMEngine)
-    engine._submitted, engine._lora = 0, None
+    engine._submitted, engine._lora, engine.stop_strings = 0, None, False
     engine.llm = SimpleNamespace(llm_engine=SimpleNamespace(add_request=lambda rid, prompt, params, lora_request: added.append(params)))
     req = SamplingRequest(prompt_ids=(1, 2, 3), max_new_tokens=8, temperature=1.0, top_p=1.0, stop_token_ids=(7,), seed=5, n=2)
     engine.submit([req, req])
     assert len(made) == 2 and added == made and made[0] is not made[1]
     assert all(p.skip_clone and p.stop_token_ids == [7] for p in made) and made[0].stop_token_ids is not made[1].stop_token_ids
+    # stop strings: an engine started with them (its tokenizer loaded) stops on them as it samples; one without does not
+    with_stops = SamplingRequest(prompt_ids=(1,), max_new_tokens=8, temperature=1.0, top_p=1.0, stop_token_ids=(7,), stop_strings=("</action>",), n=1)
+    assert not engine.sampling_params(with_stops).detokenize and not hasattr(engine.sampling_params(with_stops), "stop")
+    engine.stop_strings = True
+    p = engine.sampling_params(with_stops)
+    assert p.stop == ["</action>"] and p.include_stop_str_in_output and p.detokenize
+    assert not engine.sampling_params(req).detokenize and not hasattr(engine.sampling_params(req), "stop")
 
 
 def load_bench(name: str):
@@ -413,3 +420,6 @@ def test_the_recipes_vllm_settings_reach_the_engine(monkeypatch, tiny_model_dir)
     assert seen["enable_prefix_caching"] is False and seen["enable_sleep_mode"] is True and seen["enforce_eager"] is True
     assert seen["gpu_memory_utilization"] == 0.3 and seen["lora_rank"] == 8
     assert seen["extra"]["compilation_config"] == {"cudagraph_mode": "PIECEWISE"}
+    assert seen["stop_strings"] is False  # no stop strings: the engine skips its tokenizer
+    Sampler.build(policy, RolloutConfig(stop_strings=("</action>",)), RewardConfig(), engine, EnvConfig(), EvalConfig(), with_pool=False)
+    assert seen["stop_strings"] is True

@@ -213,6 +213,8 @@ def test_stop_strings_cut_a_completion_after_its_action(valid_games, tiny_tokeni
         (group,) = RolloutRunner(engine, pool, fmt, cfg, RewardConfig()).run([game], 2, seed=0)
     assert all(t.won and t.invalid_actions == 0 for t in group.trajectories)
     assert all(turn.completion_text.endswith("</action>") for t in group.trajectories for turn in t.turns)
+    # every request carries the stop strings, so an engine that can stop on them does (vLLM with its tokenizer)
+    assert engine.requests and all(r.stop_strings == ("</action>",) for r in engine.requests)
 
 
 def test_reward_noise_gives_a_group_of_equal_outcomes_advantages_reproducibly(valid_games, tiny_tokenizer):
