@@ -35,6 +35,8 @@ import copy
 import math
 import time
 
+import torch
+
 SYNC_MODES = ("lora", "merged")
 NOISE_FACTOR = 2.0
 """The response is checked when the trainer's probe change is above this many times the first sync's gap.
@@ -115,6 +117,8 @@ class WeightSync:
             if bad:
                 # right after a wake-up: what the engine knows of its settings that broke this before (VLLMEngine)
                 hint = getattr(self.engine, "wake_up_nan_hint", "") if scores is before else ""
+                if scores is after:  # the engine before the push was finite: were the pushed weights, is the trainer?
+                    hint = f"; {self._weights_finite(policy)}; the trainer's probe: {sum(not math.isfinite(x) for x in trainer)} non-finite"
                 raise NonFiniteProbeError(
                     f"after syncing weight version {policy.weight_version}, {bad} of the {who}'s {len(scores)} probe log-probs are "
                     "not finite: it computes garbage (a NaN comparison would pass every other check, so this stops here)" + hint
@@ -153,6 +157,13 @@ class WeightSync:
         self.last_trainer = trainer
         self.last_engine = after
         return metrics
+
+    def _weights_finite(self, policy) -> str:
+        """Whether every pushed tensor is finite (said in a non-finite probe's error: the trainer's weights or the engine)."""
+        tensors = list(policy.adapter_weights().tensors.values()) if self.mode == "lora" else [t for _, t in policy.merged_weights()]
+        bad = sum(not bool(torch.isfinite(t).all()) for t in tensors)
+        return f"{bad} of the {len(tensors)} pushed {self.mode} tensors have non-finite values" if bad else \
+            f"all {len(tensors)} pushed {self.mode} tensors are finite"
 
     def check_engine(self, when: str) -> dict[str, float]:
         """Score the probe again with no weights pushed since the last sync: it must come out as it did then.

@@ -157,6 +157,26 @@ def test_non_finite_log_probs_stop_the_sync_instead_of_passing_every_comparison(
     policy.score = lambda ids: trained[:-1] + [float("nan")]  # the trainer's NaN gets no engine hint
     with pytest.raises(NonFiniteProbeError, match="trainer's .* so this stops here\\)$"):
         sync.sync(policy)
+    del policy.score  # the trainer's own scoring again
+    # NaN only after the push: the error says whether the pushed weights were finite and what the trainer scored
+    engine.wake_up_nan_hint = ""
+    pushed = {"n": 0}
+    push = engine.load_adapter
+
+    def load_then_nan(adapter):
+        pushed["n"] += 1
+        return push(adapter)
+
+    engine.load_adapter = load_then_nan
+    engine.score = lambda ids: score(ids)[:-1] + [float("nan")] if pushed["n"] else score(ids)
+    with pytest.raises(NonFiniteProbeError, match=r"engine's .* here\); all \d+ pushed lora tensors are finite; the trainer's probe: 0 non-finite$"):
+        sync.sync(policy)
+    param = next(p for n, p in policy.model.named_parameters() if "lora_B" in n)
+    with torch.no_grad():
+        param[0, 0] = float("inf")
+    pushed["n"] = 0
+    with pytest.raises(NonFiniteProbeError, match=r"1 of the \d+ pushed lora tensors have non-finite values"):
+        sync.sync(policy)
 
 
 def test_a_skipped_sync_under_the_noise_floor_is_still_caught_when_the_engine_did_not_move_at_all(setup):
