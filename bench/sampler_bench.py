@@ -119,6 +119,8 @@ UPDATE_VARIANTS = (  # (name, attention, micro-batch tokens, gradient checkpoint
     ("varlen_rows16384_bf16", "sdpa_varlen", 16384, False, "highest", "bfloat16", False),  # the adapter in bf16 (autocast)
     ("varlen_rows16384_bf16_compiled", "sdpa_varlen", 16384, False, "highest", "bfloat16", True),  # + MLP and norms compiled
     ("varlen_rows32768_bf16_compiled", "sdpa_varlen", 32768, False, "highest", "bfloat16", True),  # longer rows (no float32 copies)
+    # the attention block compiled too (rotary, its LoRA's scale-and-add; graph breaks at the per-sequence split)
+    ("varlen_rows32768_bf16_compiled_attention", "sdpa_varlen", 32768, False, "highest", "bfloat16", "with_attention"),
     # checkpointing in effect since 2026-12-01 (before, nothing was recomputed): its cost, and the longer rows it allows
     ("varlen_rows32768_bf16_compiled_checkpointed", "sdpa_varlen", 32768, True, "highest", "bfloat16", True),
 )
@@ -140,16 +142,19 @@ def _set_checkpointing(policy, on: bool) -> None:
     set_gradient_checkpointing(causal_lm_of(policy.model), on)
 
 
-def _apply_variant(policy, attn: str, rows: int, ckpt: bool, precision: str, adapter_dtype: str, compiled: bool) -> None:
-    """One UPDATE_VARIANTS entry's settings on the policy (the precision and the adapter's dtype take effect in the update)."""
+def _apply_variant(policy, attn: str, rows: int, ckpt: bool, precision: str, adapter_dtype: str, compiled) -> None:
+    """One UPDATE_VARIANTS entry's settings on the policy (the precision and the adapter's dtype take effect in the update);
+    ``compiled``: False, True (model.compile_layers) or "with_attention" (the attention block too)."""
     from alfrl.logprobs import causal_lm_of
-    from alfrl.models import compile_layers
+    from alfrl.models import COMPILED_PARTS, compile_layers
 
     _set_attention(policy, attn)
     _set_checkpointing(policy, ckpt)
     policy.hparams.float32_matmul_precision = precision
     policy.hparams.adapter_dtype = adapter_dtype
-    compile_layers(causal_lm_of(policy.model), on=compiled)
+    lm = causal_lm_of(policy.model)
+    compile_layers(lm, on=bool(compiled), parts=COMPILED_PARTS)
+    compile_layers(lm, on=compiled == "with_attention", parts=("self_attn",))
     policy.hparams.ppo = dataclasses.replace(policy.ppo, microbatch_tokens=rows)
 
 

@@ -369,3 +369,13 @@ def test_compile_layers_gives_the_same_log_probs_and_gradients_and_keeps_the_nam
     assert max(float((got[True][3][n] - got[False][3][n]).abs().max()) for n in got[False][3]) < 1e-5
     assert compile_layers(causal_lm_of(policy.model), on=False) == 3 * len(causal_lm_of(policy.model).get_decoder().layers)
     assert all(m._compiled_call_impl is None for m in parts)
+    # other parts (the benchmark's attention variant); compiling a compiled part again keeps its compiled callable
+    lm = causal_lm_of(policy.model)
+    assert compile_layers(lm, parts=("self_attn",)) == len(lm.get_decoder().layers)
+    first = lm.get_decoder().layers[0].self_attn._compiled_call_impl
+    compile_layers(lm, parts=("self_attn",))
+    assert first is not None and lm.get_decoder().layers[0].self_attn._compiled_call_impl is first
+    compile_layers(lm, on=False, parts=("self_attn",))
+    assert all(layer.self_attn._compiled_call_impl is None for layer in lm.get_decoder().layers)
+    with pytest.raises(ValueError, match="no decoder layers with nothing_here"):
+        compile_layers(lm, parts=("nothing_here",))
