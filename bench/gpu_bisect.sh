@@ -9,6 +9,8 @@
 #   PLAN=figures Q35_PART=0 FIG_BENCH=0 FIT_STEPS=0 GRAPH_TOKENS=0 bash bench/gpu_campaign.sh start   (games + model only):
 #   bash bench/gpu_bisect.sh run 050d7ce ad4eaa0 HEAD             # carry .gpu-bisect (HEAD: this checkout); in the background
 #   BISECT_EXTRA="--data.engine.enforce_eager true" bash bench/gpu_bisect.sh run HEAD     # overrides for every run
+#   (a shorter run first: BISECT_EXTRA="--data.games_per_batch 2 --data.rollout.max_episode_steps 5" at HEAD; if it still
+#   shows the NaN at the second sync, bisect with it: keys every commit since 050d7ce knows)
 #   bash bench/gpu_bisect.sh wait 300                             # each run's outcome so far; logs and metrics into $OUT
 # DRY=1 runs the same on the CPU with the tiny recipe (the HF engine: it checks the mechanics, not the fault).
 set -uo pipefail
