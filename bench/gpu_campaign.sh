@@ -132,7 +132,7 @@ else
   # stop on their own: completions run to a fixed 100 tokens, so trajectories reach the 12,000-token budget)
   Q35_MODEL=.cache/random-qwen3.5-4b; Q35_SHAPE=qwen3.5-4b
   Q35_ARGS=(--trainer.accelerator gpu); Q35_EVAL=(--trainer.accelerator gpu)
-  T_BENCH=${T_BENCH:-720}; T_MERGED=240; T_EVAL=420; T_Q35=${T_Q35:-1200}; T_Q35_EVAL=${T_Q35_EVAL:-420}; T_FIT=${T_FIT:-420}
+  T_BENCH=${T_BENCH:-900}; T_MERGED=240; T_EVAL=420; T_Q35=${T_Q35:-1200}; T_Q35_EVAL=${T_Q35_EVAL:-420}; T_FIT=${T_FIT:-420}
   FIT_ARGS=(--trainer.accelerator gpu --data.env.num_workers 16 --data.engine.gpu_memory_utilization 0.4)
 fi
 Q35=recipes/qwen4b_80step.yaml
