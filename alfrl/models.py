@@ -108,7 +108,7 @@ def compile_layers(model, on: bool = True, parts: tuple[str, ...] = COMPILED_PAR
     adapter's state dict stay as they are), with dynamic shapes (rows differ in length); ``on=False`` undoes it.
     Inductor fuses their elementwise work (the norms' float32 steps, SiLU x up, the LoRA's scale-and-add) in forward
     and backward; attention stays eager (its per-sequence split is data-dependent). ``model`` is the causal LM.
-    Returns how many modules changed; raises if the model has none of these parts."""
+    Returns how many modules it covers (already compiled ones stay as they are); raises if the model has none of these parts."""
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
     modules = [getattr(layer, name) for layer in getattr(decoder, "layers", []) for name in parts if hasattr(layer, name)]
     if not modules:
