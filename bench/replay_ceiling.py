@@ -1,17 +1,19 @@
-"""The engine alone replaying a rollout's own work: the Sampler's overhead apart from the work's shape.
+"""The engine alone: the issue's fixed-shape ceiling, and a rollout's own work replayed (the Sampler's overhead apart
+from the work's shape).
 
-``sampler_bench --phases ceiling runners replay``: the issue's ceiling (8 x 8 sequences, 20 turns of 40 tokens) is not
-the work an asynchronous rollout does (on the H200, 2026-12-01: 51,200 tokens there against 72,843 in the rollout, and
-a long tail of the last trajectories). Here every trajectory of the rollout is played again by the engine with no
+``sampler_bench --phases ceiling runners replay``: one driver of vLLM's step API (``drive``) plays both the issue's
+ceiling (``ceiling``: 8 x 8 sequences, 20 turns of 40 tokens) and a rollout's own turns again (``replay``). The ceiling
+is not the work an asynchronous rollout does (on the H200, 2026-12-01: 51,200 tokens there against 72,843 in the
+rollout, and a long tail of the last trajectories). The replay plays every trajectory of the rollout again with no
 environment and no Sampler: its turns in order, each prompt the recorded one (token-in/token-out: the real history,
 so the prefix cache sees what the rollout's prompts were), each completion forced to its recorded length, a trajectory's
 next turn submitted the moment its last one ends. Rollout / replay is what the Sampler and the environments add;
 replay / ceiling is what the rollout's own shape costs. (The replay samples other tokens than the recorded ones, so each
 turn prefills its recorded completion where the rollout had it cached: a few tokens more per turn.)
 """
-
 from __future__ import annotations
 
+import random
 import time
 
 
@@ -25,30 +27,27 @@ def turn_requests(trajectory) -> list[tuple[tuple[int, ...], int]]:
     return out
 
 
-def replay(core, trajectories, make_params, submit_prompt=lambda ids: ids) -> dict:
-    """Play ``trajectories`` again on ``core`` (vLLM's ``LLMEngine``: ``add_request(id, prompt, params)`` and
-    ``step()`` -> outputs with ``request_id``, ``finished`` and ``outputs[0].token_ids``). ``make_params(n)`` gives
-    sampling parameters forcing n tokens; ``submit_prompt(ids)`` wraps prompt ids as the engine takes them.
-    Returns seconds, engine steps, generated tokens and the submission order (trajectory, turn) for checks."""
-    plans = [turn_requests(t) for t in trajectories]
-    nxt = [0] * len(plans)
+def drive(core, firsts, next_turn, make_params, submit_prompt=lambda ids: ids, prefix: str = "replay") -> dict:
+    """Sequences turn after turn on ``core`` (vLLM's ``LLMEngine``: ``add_request(id, prompt, params)`` and ``step()`` ->
+    outputs with ``request_id``, ``finished`` and ``outputs[0].token_ids``), each sequence's next turn submitted the moment
+    its last one ends. ``firsts``: (prompt ids, forced length) of each sequence's first turn; ``next_turn(i, token_ids)``:
+    the next (prompt, length) of sequence i after a turn that sampled ``token_ids``, or None when it is done.
+    ``make_params(n)`` gives sampling parameters forcing n tokens; ``submit_prompt(ids)`` wraps prompt ids as the engine
+    takes them. Returns seconds, engine steps, generated tokens, turns and the submission order (sequence, turn)."""
+    done_turns = [0] * len(firsts)
     owner: dict[str, int] = {}
     order: list[tuple[int, int]] = []
-    counter = [0]
 
-    def submit(i: int) -> None:
-        prompt, length = plans[i][nxt[i]]
-        rid = f"replay-{counter[0]}"
-        counter[0] += 1
-        order.append((i, nxt[i]))
-        nxt[i] += 1
+    def submit(i: int, prompt, length: int) -> None:
+        rid = f"{prefix}-{len(order)}"
+        order.append((i, done_turns[i]))
         owner[rid] = i
         core.add_request(rid, submit_prompt(list(prompt)), make_params(length))
 
     start = time.perf_counter()
-    for i, plan in enumerate(plans):
-        if plan:
-            submit(i)
+    for i, first in enumerate(firsts):
+        if first is not None:
+            submit(i, *first)
     steps = generated = 0
     while owner:
         steps += 1
@@ -56,17 +55,54 @@ def replay(core, trajectories, make_params, submit_prompt=lambda ids: ids) -> di
             if not out.finished:
                 continue
             i = owner.pop(out.request_id)
-            generated += len(out.outputs[0].token_ids)
-            if nxt[i] < len(plans[i]):
-                submit(i)
+            ids = list(out.outputs[0].token_ids)
+            generated += len(ids)
+            done_turns[i] += 1
+            turn = next_turn(i, ids)
+            if turn is not None:
+                submit(i, *turn)
     seconds = time.perf_counter() - start
     return {"seconds": seconds, "engine_steps": steps, "generated_tokens": generated,
-            "generated_tokens_per_second": generated / seconds if seconds else 0.0,
-            "turns": sum(len(p) for p in plans), "order": order}
+            "generated_tokens_per_second": generated / seconds if seconds else 0.0, "turns": len(order), "order": order}
 
 
-def vllm_replay(engine, trajectories) -> dict:
-    """``replay`` on a VLLMEngine (the step API, as the ceiling): forced lengths, EOS ignored, final outputs only."""
+def replay(core, trajectories, make_params, submit_prompt=lambda ids: ids) -> dict:
+    """Play ``trajectories`` again on ``core`` (``drive``): each turn's recorded prompt, its recorded length forced."""
+    plans = [turn_requests(t) for t in trajectories]
+    nxt = [1] * len(plans)
+
+    def next_turn(i: int, _ids) -> tuple | None:
+        if nxt[i] >= len(plans[i]):
+            return None
+        nxt[i] += 1
+        return plans[i][nxt[i] - 1]
+
+    return drive(core, [plan[0] if plan else None for plan in plans], next_turn, make_params, submit_prompt)
+
+
+def ceiling(core, make_params, submit_prompt=lambda ids: ids, groups: int = 8, group_size: int = 8, start_tokens: int = 1000,
+            turns: int = 20, sampled: int = 40, appended: int = 250, vocab: int = 30000) -> dict:
+    """The issue's engine-only ceiling on ``core`` (``drive``): ``groups`` x ``group_size`` sequences, each group's sharing a
+    random ``start_tokens``-token start, ``turns`` turns of exactly ``sampled`` tokens, each next prompt the last one + its
+    sampled tokens + ``appended`` random ones (a tool response)."""
+    rng = random.Random(0)
+    starts = [[rng.randrange(100, vocab) for _ in range(start_tokens)] for _ in range(groups)]
+    seqs = [list(starts[g]) for g in range(groups) for _ in range(group_size)]
+    done = [0] * len(seqs)
+
+    def next_turn(i: int, ids: list[int]) -> tuple | None:
+        done[i] += 1
+        if done[i] >= turns:
+            return None
+        seqs[i] += ids + [rng.randrange(100, vocab) for _ in range(appended)]
+        return seqs[i], sampled
+
+    return drive(core, [(s, sampled) for s in seqs], next_turn, make_params, submit_prompt, prefix="ceiling")
+
+
+def on_vllm(engine, run, reset_prefix_cache: bool) -> dict:
+    """``run(core, make_params, submit_prompt)`` (``replay`` or ``ceiling``) on a VLLMEngine's step API: forced lengths
+    (EOS ignored), final outputs only; with the engine's prompt and prefix-cache counters."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
     from vllm.sampling_params import RequestOutputKind
@@ -76,10 +112,22 @@ def vllm_replay(engine, trajectories) -> dict:
         p.output_kind = RequestOutputKind.FINAL_ONLY
         return p
 
-    engine.llm.reset_prefix_cache()  # the rollout cached every recorded prompt: start as cold as the rollout did
+    if reset_prefix_cache:
+        engine.llm.reset_prefix_cache()
     before = engine.counters()
-    out = replay(engine.llm.llm_engine, trajectories, params, lambda ids: TokensPrompt(prompt_token_ids=ids))
+    out = run(engine.llm.llm_engine, params, lambda ids: TokensPrompt(prompt_token_ids=ids))
     c = engine.counters().minus(before)
     out.pop("order")
     return {**out, "prompt_tokens": c.prompt_tokens, "cached_prompt_tokens": c.cached_prompt_tokens,
             "prefix_cache_share": c.cached_prompt_tokens / max(c.prompt_tokens, 1)}
+
+
+def vllm_replay(engine, trajectories) -> dict:
+    """``replay`` on a VLLMEngine, its prefix cache reset first (the rollout cached every recorded prompt: start as cold
+    as the rollout did)."""
+    return on_vllm(engine, lambda core, params, wrap: replay(core, trajectories, params, wrap), reset_prefix_cache=True)
+
+
+def vllm_ceiling(engine) -> dict:
+    """``ceiling`` on a VLLMEngine (its prefix cache as the engine has it, as every measured ceiling ran)."""
+    return on_vllm(engine, ceiling, reset_prefix_cache=False)

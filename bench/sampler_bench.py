@@ -34,54 +34,8 @@ import time
 import traceback
 
 import torch
-from update_bench import profile_tables, timed, update_phase  # bench/ (the script's folder is on sys.path)
-
-
-def ceiling(engine) -> dict:
-    """The engine alone, asynchronous turns, forced lengths (vLLM's step API)."""
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    rng = random.Random(0)
-    vocab = 30000
-    starts = [[rng.randrange(100, vocab) for _ in range(1000)] for _ in range(8)]
-    seqs = {f"{g}-{k}": list(starts[g]) for g in range(8) for k in range(8)}
-    turns = {key: 0 for key in seqs}
-    params = SamplingParams(temperature=1.0, max_tokens=40, min_tokens=40, logprobs=0, detokenize=False, seed=1)
-    before = engine.counters()
-    owner = {}
-
-    from vllm.sampling_params import RequestOutputKind
-
-    params.output_kind = RequestOutputKind.FINAL_ONLY
-    counter = [0]
-
-    def submit(key):
-        rid = f"ceiling-{counter[0]}"
-        counter[0] += 1
-        engine.llm.llm_engine.add_request(rid, TokensPrompt(prompt_token_ids=list(seqs[key])), params)
-        owner[rid] = key
-
-    start = time.perf_counter()
-    for key in seqs:
-        submit(key)
-    generated = 0
-    while owner:
-        for out in engine.llm.llm_engine.step():
-            if not out.finished:
-                continue
-            key = owner.pop(out.request_id)
-            ids = list(out.outputs[0].token_ids)
-            generated += len(ids)
-            turns[key] += 1
-            if turns[key] < 20:
-                seqs[key] += ids + [rng.randrange(100, vocab) for _ in range(250)]
-                submit(key)
-    seconds = time.perf_counter() - start
-    c = engine.counters().minus(before)
-    return {"seconds": seconds, "generated_tokens": generated, "generated_tokens_per_second": generated / seconds,
-            "prompt_tokens": c.prompt_tokens, "cached_prompt_tokens": c.cached_prompt_tokens,
-            "prefix_cache_share": c.cached_prompt_tokens / max(c.prompt_tokens, 1)}
+from replay_ceiling import vllm_ceiling, vllm_replay  # bench/ (the script's folder is on sys.path)
+from update_bench import profile_tables, timed, update_phase
 
 
 def rollout_figures(result, seconds: float) -> dict:
@@ -273,7 +227,7 @@ def main() -> None:
         started = time.perf_counter()
         try:
             if phase == "ceiling" and not args.dry:
-                report["phases"]["ceiling"] = ceiling(sampler.engine)
+                report["phases"]["ceiling"] = vllm_ceiling(sampler.engine)
             elif phase == "runners":
                 runs = {}
                 for schedule in args.schedules:
@@ -297,7 +251,6 @@ def main() -> None:
             elif phase == "replay" and not args.dry:  # the engine alone, the async rollout's own turns (bench/replay_ceiling.py)
                 if async_result is None:
                     async_result = sampler.rollout(games, dm.group_size, seed=7)
-                from replay_ceiling import vllm_replay
                 replayed = vllm_replay(sampler.engine, [t for g in async_result.groups for t in g.trajectories])
                 if "async" in report["phases"].get("runners", {}):
                     replayed["async_over_replay_time"] = report["phases"]["runners"]["async"]["seconds"] / replayed["seconds"]

@@ -202,3 +202,13 @@ def test_the_replay_ceiling_plays_each_trajectorys_recorded_turns_back_to_back()
     # the short trajectory's three turns all went in before the long one's second (its first takes 10 steps)
     assert out["order"].index((1, 2)) < out["order"].index((0, 1))
     assert out["engine_steps"] == 15  # the long trajectory's 10 + 5 tokens, the others inside them
+    # the ceiling on the same driver: each group's sequences share a start, every next prompt is the last one + its
+    # sampled tokens + the appended ones, every turn exactly the sampled count
+    core = Core()
+    out = rc.ceiling(core, make_params=lambda n: n, groups=2, group_size=2, start_tokens=5, turns=3, sampled=4, appended=2)
+    assert out["turns"] == 12 and out["generated_tokens"] == 48 and out["engine_steps"] == 12
+    assert sorted(len(p) for p, _ in core.seen) == [5] * 4 + [11] * 4 + [17] * 4 and {n for _, n in core.seen} == {4}
+    firsts = [p for p, _ in core.seen[:4]]
+    assert firsts[0] == firsts[1] != firsts[2] == firsts[3]
+    later = [p for p, _ in core.seen if len(p) == 11]
+    assert all(p[5:9] == (1, 1, 1, 1) for p in later)  # the sampled tokens went back into the history
