@@ -289,10 +289,9 @@ probe_lane() {  # PROBE=stale (bench/stale_memory_probe.py, the default) or slee
   [ "$p" = sleep ] && { script=bench/sleep_probe.py; default=--adapter; }
   # PROBE_LAYERS (default 4): the checkpoint's text layers; 0 = the whole random Qwen3.5-4B ($Q35_MODEL: the 4-layer one never
   # reproduced the NaN or the fault, 2026-12-02; its engine's first start compiles for ~200 s)
-  local model="$W/q35-${PROBE_LAYERS:-4}layers"
-  if [ "${PROBE_LAYERS:-4}" = 0 ]; then model=$Q35_MODEL
-    [ -d "$model" ] || timed random_q35 "${ALFRL[@]}" random-model --shape "$Q35_SHAPE" --out "$model" || return 1
-  else [ -d "$model" ] || timed "random_q35_${PROBE_LAYERS:-4}layers" "${ALFRL[@]}" random-model --shape "$Q35_SHAPE" --layers "${PROBE_LAYERS:-4}" --out "$model" || return 1; fi
+  local layers=${PROBE_LAYERS:-4}; local model="$W/q35-${layers}layers" depth=(--layers "$layers")
+  [ "$layers" = 0 ] && { model=$Q35_MODEL; depth=(); }
+  [ -d "$model" ] || timed "random_q35_${layers}layers" "${ALFRL[@]}" random-model --shape "$Q35_SHAPE" "${depth[@]}" --out "$model" || return 1
   IFS=';' read -ra variants <<< "${PROBE_VARIANTS-$default}"
   for v in "${variants[@]}"; do
     read -ra a <<< "$v"; [ "$DRY" = 1 ] && a+=(--dry --probe-tokens 50 --decode 2)
