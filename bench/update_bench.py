@@ -39,9 +39,9 @@ UPDATE_VARIANTS = (  # (name, attention, micro-batch tokens, gradient checkpoint
     ("varlen_rows32768_bf16_compiled", "sdpa_varlen", 32768, False, "highest", "bfloat16", True),  # longer rows (no float32 copies)
     # the attention block compiled too (rotary, its LoRA's scale-and-add; graph breaks at the per-sequence split)
     ("varlen_rows32768_bf16_compiled_attention", "sdpa_varlen", 32768, False, "highest", "bfloat16", "with_attention"),
-    # checkpointing in effect since 2026-12-01 (before, nothing was recomputed): its cost, and the longer rows it allows
     # SDPA's cuDNN kernels first (the update's FlashAttention-2 forward and backward were 31% of its kernel time)
     ("varlen_rows32768_bf16_compiled_cudnn", "sdpa_varlen+cudnn", 32768, False, "highest", "bfloat16", True),
+    # checkpointing in effect since 2026-12-01 (before, nothing was recomputed): its cost, and the longer rows it allows
     ("varlen_rows32768_bf16_compiled_checkpointed", "sdpa_varlen", 32768, True, "highest", "bfloat16", True),
 )
 PROFILED_VARIANT = "varlen_rows16384_bf16_compiled"
