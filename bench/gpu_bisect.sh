@@ -1,16 +1,22 @@
 #!/usr/bin/env bash
-# Which commit broke the 1.5B recipe's second sync on the H200 (bench/leases/2026-12-02f.md: 146 of 147 probe log-probs NaN
-# after the second update's push at 41d5387, clean at 050d7ce)? Two-update `alfrl fit` runs of a commit's own code and
-# recipe, one after another, on the model and games `bench/gpu_campaign.sh start` prepared.
+# Two-update `alfrl fit` runs of the 1.5B recipe on the H200, one after another, each at a commit's own code and recipe
+# (or this checkout), with its own overrides and environment: for the engine fault of bench/leases/2026-12-02f.md and
+# 2026-12-02g.md (NaN probe at the second sync, or a CUDA illegal memory access at the first probe scoring; at 050d7ce
+# too, which had run clean on 2026-12-01, so not a regression of this repository's code since). Runs on the model and
+# games `bench/gpu_campaign.sh start` prepared.
 #
 # Here, before the lease (the device gets no .git; a commit's tracked files are ~4 MB):
-#   bash bench/gpu_bisect.sh pack 050d7ce 8989d1b ad4eaa0 ...    # -> .gpu-bisect/<commit>/ (git-ignored), one per commit
+#   bash bench/gpu_bisect.sh pack 050d7ce 977bf1b ...           # -> .gpu-bisect/<commit>/ (git-ignored), one per commit
 # On the device, after the kit, the model pieces and
 #   PLAN=figures Q35_PART=0 FIG_BENCH=0 FIT_STEPS=0 GRAPH_TOKENS=0 bash bench/gpu_campaign.sh start   (games + model only):
-#   bash bench/gpu_bisect.sh run 050d7ce ad4eaa0 HEAD             # carry .gpu-bisect (HEAD: this checkout); in the background
-#   BISECT_EXTRA="--data.engine.enforce_eager true" bash bench/gpu_bisect.sh run HEAD     # overrides for every run
-#   (a shorter run first: BISECT_EXTRA="--data.games_per_batch 2 --data.rollout.max_episode_steps 5" at HEAD; if it still
-#   shows the NaN at the second sync, bisect with it: keys every commit since 050d7ce knows)
+#   bash bench/gpu_bisect.sh run HEAD 050d7ce                   # carry .gpu-bisect (HEAD: this checkout); in the background
+#   Each run is COMMIT or COMMIT@LABEL (one commit, several variants); per run (by LABEL, else COMMIT):
+#     BISECT_EXTRA_<label>="--data.engine.enforce_eager true"     recipe overrides (keys that commit knows)
+#     BISECT_ENV_<label>="-u VLLM_CACHE_ROOT VLLM_USE_V2_MODEL_RUNNER=0"   `env` arguments for its process
+#   BISECT_EXTRA="..." applies to every run. E.g. the next lease's variants at HEAD:
+#     BISECT_EXTRA_eager="--data.engine.enforce_eager true" BISECT_EXTRA_sync="--data.engine.async_scheduling false" \
+#     BISECT_ENV_caches="-u VLLM_CACHE_ROOT -u TRITON_CACHE_DIR -u TORCHINDUCTOR_CACHE_DIR" BISECT_ENV_v1="VLLM_USE_V2_MODEL_RUNNER=0" \
+#       bash bench/gpu_bisect.sh run HEAD@eager HEAD@sync HEAD@caches HEAD@v1
 #   bash bench/gpu_bisect.sh wait 300                             # each run's outcome so far; logs and metrics into $OUT
 # DRY=1 runs the same on the CPU with the tiny recipe (the HF engine: it checks the mechanics, not the fault).
 set -uo pipefail
@@ -31,19 +37,22 @@ else
 fi
 export PYTHONUNBUFFERED=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 TOKENIZERS_PARALLELISM=false
 
-fit_at() {  # fit_at COMMIT: two updates of that commit's code (HEAD: this checkout), its log and metrics kept under $B
-  local c=$1 dir
+fit_at() {  # fit_at COMMIT[@LABEL]: two updates of that commit's code (HEAD: this checkout) with the run's overrides and
+  # environment; its log and metrics kept under $B as LABEL (else COMMIT)
+  local c=${1%%@*} label=${1#*@} dir
   dir=$([ "$c" = HEAD ] && echo "$REPO" || echo "$B/code/$c")
-  [ -d "$dir/alfrl" ] || { echo "$c: no code (stage .gpu-bisect/$c)" > "$B/$c.outcome"; return 1; }
+  [ -d "$dir/alfrl" ] || { echo "$label: no code (stage .gpu-bisect/$c)" > "$B/$label.outcome"; return 1; }
   local s; s=$(date +%s)
-  read -ra extra <<< "${BISECT_EXTRA:-}"
-  (cd "$dir" && PYTHONPATH=/tmp/site:$dir timeout "${BISECT_TIMEOUT:-400}" "$PY" -m alfrl.cli fit --config $RECIPE "${ARGS[@]}" \
-    --trainer.max_steps 2 --trainer.default_root_dir "$B/runs/$c" --checkpoint.save_every 0 --progress_bar.refresh_rate 0 \
-    "${extra[@]}") > "$B/$c.log" 2>&1
+  local own="BISECT_EXTRA_$label" env_of="BISECT_ENV_$label"
+  read -ra extra <<< "${BISECT_EXTRA:-} ${!own:-}"
+  read -ra envs <<< "${!env_of:-}"
+  (cd "$dir" && env "${envs[@]}" PYTHONPATH=/tmp/site:$dir timeout "${BISECT_TIMEOUT:-400}" "$PY" -m alfrl.cli fit --config $RECIPE \
+    "${ARGS[@]}" --trainer.max_steps 2 --trainer.default_root_dir "$B/runs/$label" --checkpoint.save_every 0 \
+    --progress_bar.refresh_rate 0 "${extra[@]}") > "$B/$label.log" 2>&1
   local rc=$?
-  cp "$B/runs/$c"/csv/version_0/metrics.csv "$B/$c.metrics.csv" 2>/dev/null
-  local what; what=$(grep -o "NonFiniteProbeError: .*\|WeightSyncError: .*\|max_steps=2. reached" "$B/$c.log" | tail -1)
-  echo "$c rc=$rc $(( $(date +%s) - s ))s ${BISECT_EXTRA:-} ${what:-(see $c.log)}" > "$B/$c.outcome"
+  cp "$B/runs/$label"/csv/version_0/metrics.csv "$B/$label.metrics.csv" 2>/dev/null
+  local what; what=$(grep -ao "NonFiniteProbeError: .*\|WeightSyncError: .*\|CUDA error: [a-z ]*\|max_steps=2. reached" "$B/$label.log" | tail -1)
+  echo "$label ($c) rc=$rc $(( $(date +%s) - s ))s ${envs[*]} ${extra[*]} ${what:-(see $label.log)}" > "$B/$label.outcome"
 }
 
 case "${1:-}" in
@@ -52,14 +61,15 @@ case "${1:-}" in
     for c in "$@"; do mkdir -p ".gpu-bisect/$c" && git archive "$c" | tar -x -C ".gpu-bisect/$c" && echo "$c: $(du -sh ".gpu-bisect/$c" | cut -f1)"; done ;;
   run)  # device: run COMMIT... (carry .gpu-bisect): copied to /tmp first (a carried path exists only during its call)
     shift
-    for c in "$@"; do [ "$c" = HEAD ] || { mkdir -p "$B/code" && cp -r ".gpu-bisect/$c" "$B/code/$c"; }; done
-    cp "$0" "$B/bisect.sh"
+    for run in "$@"; do c=${run%%@*}; [ "$c" = HEAD ] || [ -d "$B/code/$c" ] || { mkdir -p "$B/code" && cp -r ".gpu-bisect/$c" "$B/code/$c"; }; done
+    cp "$0" "$B/bisect.sh"; rm -f "$B/done"
+    for v in "${!BISECT_EXTRA_@}" "${!BISECT_ENV_@}"; do export "$v"; done
     ALFRL_REPO=$REPO BISECT_EXTRA="${BISECT_EXTRA:-}" setsid nohup bash "$B/bisect.sh" _run "$@" > "$B/job.log" 2>&1 < /dev/null &
     echo "bisect started: $*" ;;
   _run)
     shift
     while pgrep -f "alfrl.cl[i] " > /dev/null; do sleep 3; done   # alone on the GPU
-    for c in "$@"; do fit_at "$c"; done
+    for run in "$@"; do fit_at "$run"; done
     touch "$B/done" ;;
   wait)  # wait N: until the runs end or N seconds pass; each outcome, and logs + metrics into $OUT
     end=$(( $(date +%s) + ${2:-300} ))
@@ -67,5 +77,5 @@ case "${1:-}" in
     cat "$B"/*.outcome 2>/dev/null
     tar -czf "$OUT/bisect.tgz" -C "$B" $(cd "$B" && ls *.outcome *.log *.metrics.csv 2>/dev/null) 2>/dev/null
     [ -f "$B/done" ] && echo "all done" ;;
-  *) echo "usage: bash bench/gpu_bisect.sh pack COMMIT... | run COMMIT... | wait N" >&2; exit 2 ;;
+  *) echo "usage: bash bench/gpu_bisect.sh pack COMMIT... | run COMMIT[@LABEL]... | wait N" >&2; exit 2 ;;
 esac
