@@ -77,6 +77,12 @@ class EngineConfig:
     ``enforce_eager``). Off with ``cudagraph_mode: full_decode_only`` replays whole decode steps as CUDA graphs of
     the uncompiled model; on with ``cudagraph_mode: none`` compiles without graphs: the two tell a fault of the
     compiled code from one of the graphs (Qwen3.5 on the H200, 2026-12-02: NaN or a fault with both, clean with neither)."""
+    async_scheduling: bool | None = None
+    """vLLM: schedule the next engine step while the last one's outputs are copied back (``async_scheduling``); null:
+    vLLM's (on). A diagnostic knob: on the H200 (2026-12-02) the 1.5B recipe's engine scored its probe NaN or hit an
+    illegal memory access in 6 of 6 fits with CUDA graphs, each time on a probe's scoring (the one request with prompt
+    log-probs), while every rollout and evaluation ran clean; with vLLM in alfrl's process the copies of the two steps
+    in flight share the trainer's memory pool (not shown to be the cause)."""
     prefix_caching: bool = True
     """vLLM: reuse the KV cache of prompt prefixes seen before (every turn's history; Qwen3.5's linear-attention
     layers in vLLM's experimental "align" mode). Off, every turn computes its whole history again."""
@@ -149,6 +155,8 @@ class EngineConfig:
             extra.setdefault("compilation_config", {})["cudagraph_mode"] = self.cudagraph_mode.upper()
         if self.torch_compile is False:
             extra.setdefault("compilation_config", {})["mode"] = 0  # vLLM's CompilationMode.NONE
+        if self.async_scheduling is not None:
+            extra["async_scheduling"] = self.async_scheduling
         config = read_config(model_path)
         vl = is_vision_language(config)
         if self.language_model_only if self.language_model_only is not None else vl:

@@ -113,6 +113,10 @@ def test_the_cuda_graph_size_reaches_vllm_and_is_checked(tiny_model_dir):
     assert EngineConfig(torch_compile=False, cudagraph_mode="piecewise").problems() == [
         "data.engine.cudagraph_mode='piecewise' needs torch.compile (its pieces are the compiled graph's): "
         "with data.engine.torch_compile=false use full_decode_only, full or none"]
+    # async scheduling: vLLM's unless set, either way
+    assert "async_scheduling" not in EngineConfig(kind="vllm").vllm_extra(tiny_model_dir)
+    assert EngineConfig(kind="vllm", async_scheduling=False).vllm_extra(tiny_model_dir) == {"async_scheduling": False}
+    assert EngineConfig(kind="vllm", async_scheduling=True).vllm_extra(tiny_model_dir) == {"async_scheduling": True}
     assert EngineConfig(cudagraph_mode="fast").problems() == [
         "data.engine.cudagraph_mode='fast' is not one of none, piecewise, full, full_decode_only, full_and_piecewise (or null for vLLM's)"]
 
