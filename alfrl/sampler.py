@@ -81,8 +81,7 @@ class EngineConfig:
     """vLLM: schedule the next engine step while the last one's outputs are copied back (``async_scheduling``); null:
     vLLM's (on). A diagnostic knob: on the H200 (2026-12-02) the 1.5B recipe's engine scored its probe NaN or hit an
     illegal memory access in 6 of 6 fits with CUDA graphs, each time on a probe's scoring (the one request with prompt
-    log-probs), while every rollout and evaluation ran clean; with vLLM in alfrl's process the copies of the two steps
-    in flight share the trainer's memory pool (not shown to be the cause)."""
+    log-probs), while every rollout and evaluation ran clean. Whether async scheduling is involved is not known."""
     prefix_caching: bool = True
     """vLLM: reuse the KV cache of prompt prefixes seen before (every turn's history; Qwen3.5's linear-attention
     layers in vLLM's experimental "align" mode). Off, every turn computes its whole history again."""

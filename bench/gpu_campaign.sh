@@ -119,7 +119,7 @@ else
   # beside training: at most 70 games at once (70 x 12,000 tokens fit in 0.22 of the GPU); all 274 at once
   # at 0.3 thrashed the KV cache (2026-12-01, bench/README.md)
   EVAL_SIDE=(--data.engine.enforce_eager false --data.env.num_workers 6 --data.engine.gpu_memory_utilization 0.22 --data.engine.kv_cache_gib 24 --data.eval.max_live_games 70)
-  # (evaluations and benchmarks with CUDA graphs; fits as the recipe, eager since 2026-12-02g) alone: 0.75 of the GPU holds ~3.5 M tokens of KV cache (28 KiB each), 274 x 12,000 = 3.3 M at most
+  # evaluations and benchmarks with CUDA graphs (fits as the recipe: eager since 2026-12-02g); alone, 0.75 of the GPU holds ~3.5 M tokens of KV cache (28 KiB each), 274 x 12,000 = 3.3 M at most
   EVAL_ALONE=(--data.engine.enforce_eager false --data.env.num_workers 16 --data.engine.gpu_memory_utilization 0.75)
   PROFILE_DEFAULT=1000:40   # the eval's 3,292 steps (2026-12-01): steps 1,000-1,079 are mid-run, ~150 games live
   EVAL_BENCH=(-- --data.engine.enforce_eager=false --data.env.num_workers=16 --data.engine.gpu_memory_utilization=0.75 --trainer.logger=false)
