@@ -69,13 +69,14 @@ case "${1:-}" in
   _run)
     shift
     while pgrep -f "alfrl.cl[i] " > /dev/null; do sleep 3; done   # alone on the GPU
+    cp "$W/results/machine.txt" "$B/" 2>/dev/null   # the GPU, its driver, torch (gpu_campaign.sh install)
     for run in "$@"; do fit_at "$run"; done
     touch "$B/done" ;;
   wait)  # wait N: until the runs end or N seconds pass; each outcome, and logs + metrics into $OUT
     end=$(( $(date +%s) + ${2:-300} ))
     while [ "$(date +%s)" -lt "$end" ] && [ ! -f "$B/done" ]; do sleep 5; done
     cat "$B"/*.outcome 2>/dev/null
-    tar -czf "$OUT/bisect.tgz" -C "$B" $(cd "$B" && ls *.outcome *.log *.metrics.csv 2>/dev/null) 2>/dev/null
+    tar -czf "$OUT/bisect.tgz" -C "$B" $(cd "$B" && ls *.outcome *.log *.metrics.csv machine.txt 2>/dev/null) 2>/dev/null
     [ -f "$B/done" ] && echo "all done" ;;
   *) echo "usage: bash bench/gpu_bisect.sh pack COMMIT... | run COMMIT[@LABEL]... | wait N" >&2; exit 2 ;;
 esac
