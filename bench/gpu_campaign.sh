@@ -110,19 +110,19 @@ else
   EXPERT=$W/expert_qwen15b.jsonl       # from .gpu-data/${EXPERT_GZ:-expert_qwen15b_all.jsonl.gz}
   SYNC=(--games 2 --phases sync -- --data.engine.gpu_memory_utilization=0.4 --data.env.num_workers=4 --trainer.logger=false)
   MERGED=(--games 2 --phases sync -- --data.engine.weight_sync=merged --data.engine.gpu_memory_utilization=0.4 --data.env.num_workers=4 --trainer.logger=false)
-  BENCH=(--phases ceiling runners update -- --data.engine.enforce_eager=false --data.engine.gpu_memory_utilization=0.4 --data.env.num_workers=16 --trainer.logger=false)
-  BENCH_OVERRIDES=(-- --data.engine.enforce_eager=false --data.engine.gpu_memory_utilization=0.4 --data.env.num_workers=16 --trainer.logger=false)
+  GRAPHS=--data.engine.enforce_eager=false   # evaluations and benchmarks with CUDA graphs; fits as the recipe (eager since 2026-12-02g)
+  BENCH=(--phases ceiling runners update -- $GRAPHS --data.engine.gpu_memory_utilization=0.4 --data.env.num_workers=16 --trainer.logger=false)
+  BENCH_OVERRIDES=(-- $GRAPHS --data.engine.gpu_memory_utilization=0.4 --data.env.num_workers=16 --trainer.logger=false)
   # 64 trajectories of at most 8,192 tokens need 15 GiB of KV cache (28 KiB per token): 0.2 of the GPU holds them
   # kv_cache_gib: engines started beside other GPU processes get a fixed KV cache instead of a profiled one
   # (2026-12-01: an evaluation started beside the RL run profiled a cache too small for its games and thrashed)
   TRAIN=(--data.env.num_workers 8 --data.engine.gpu_memory_utilization 0.2 --data.engine.kv_cache_gib 16)
-  # beside training: at most 70 games at once (70 x 12,000 tokens fit in 0.22 of the GPU); all 274 at once
-  # at 0.3 thrashed the KV cache (2026-12-01, bench/README.md)
-  EVAL_SIDE=(--data.engine.enforce_eager false --data.env.num_workers 6 --data.engine.gpu_memory_utilization 0.22 --data.engine.kv_cache_gib 24 --data.eval.max_live_games 70)
-  # evaluations and benchmarks with CUDA graphs (fits as the recipe: eager since 2026-12-02g); alone, 0.75 of the GPU holds ~3.5 M tokens of KV cache (28 KiB each), 274 x 12,000 = 3.3 M at most
-  EVAL_ALONE=(--data.engine.enforce_eager false --data.env.num_workers 16 --data.engine.gpu_memory_utilization 0.75)
+  # beside training: at most 70 games at once (70 x 12,000 tokens fit in 0.22 of the GPU); all 274 at 0.3 thrashed (2026-12-01)
+  EVAL_SIDE=($GRAPHS --data.env.num_workers 6 --data.engine.gpu_memory_utilization 0.22 --data.engine.kv_cache_gib 24 --data.eval.max_live_games 70)
+  # alone: 0.75 of the GPU holds ~3.5 M tokens of KV cache (28 KiB each), 274 x 12,000 = 3.3 M at most
+  EVAL_ALONE=($GRAPHS --data.env.num_workers 16 --data.engine.gpu_memory_utilization 0.75)
   PROFILE_DEFAULT=1000:40   # the eval's 3,292 steps (2026-12-01): steps 1,000-1,079 are mid-run, ~150 games live
-  EVAL_BENCH=(-- --data.engine.enforce_eager=false --data.env.num_workers=16 --data.engine.gpu_memory_utilization=0.75 --trainer.logger=false)
+  EVAL_BENCH=(-- $GRAPHS --data.env.num_workers=16 --data.engine.gpu_memory_utilization=0.75 --trainer.logger=false)
   # SFT_STEPS: the warm start's updates of 64K tokens instead of the recipe's 30 (7.3 s each on the H200, 2026-12-01;
   # a pass over every training game's walkthroughs is ~105 steps); with every game's walkthroughs, 0.05 held out
   # would be ~180 trajectories scored at every check: 0.02 (the recipe's), checked twice
