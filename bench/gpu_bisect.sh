@@ -18,6 +18,8 @@
 #     BISECT_ENV_caches="-u VLLM_CACHE_ROOT -u TRITON_CACHE_DIR -u TORCHINDUCTOR_CACHE_DIR" BISECT_ENV_v1="VLLM_USE_V2_MODEL_RUNNER=0" \
 #       bash bench/gpu_bisect.sh run HEAD@eager HEAD@sync HEAD@caches HEAD@v1
 #   bash bench/gpu_bisect.sh wait 300                             # each run's outcome so far; logs and metrics into $OUT
+# Each fit gets BISECT_TIMEOUT seconds (600: an eager fit's two updates took over 400 s), then SIGKILL 20 s after the
+# SIGTERM (Lightning catches SIGTERM and its run went on, 2026-12-02h).
 # DRY=1 runs the same on the CPU with the tiny recipe (the HF engine: it checks the mechanics, not the fault).
 set -uo pipefail
 cd "${ALFRL_REPO:-$(dirname "$0")/..}"
@@ -46,7 +48,7 @@ fit_at() {  # fit_at COMMIT[@LABEL]: two updates of that commit's code (HEAD: th
   local own="BISECT_EXTRA_$label" env_of="BISECT_ENV_$label"
   read -ra extra <<< "${BISECT_EXTRA:-} ${!own:-}"
   read -ra envs <<< "${!env_of:-}"
-  (cd "$dir" && env "${envs[@]}" PYTHONPATH=/tmp/site:$dir timeout "${BISECT_TIMEOUT:-400}" "$PY" -m alfrl.cli fit --config $RECIPE \
+  (cd "$dir" && env "${envs[@]}" PYTHONPATH=/tmp/site:$dir timeout -k 20 "${BISECT_TIMEOUT:-600}" "$PY" -m alfrl.cli fit --config $RECIPE \
     "${ARGS[@]}" --trainer.max_steps 2 --trainer.default_root_dir "$B/runs/$label" --checkpoint.save_every 0 \
     --progress_bar.refresh_rate 0 "${extra[@]}") > "$B/$label.log" 2>&1
   local rc=$?
@@ -69,14 +71,15 @@ case "${1:-}" in
   _run)
     shift
     while pgrep -f "alfrl.cl[i] " > /dev/null; do sleep 3; done   # alone on the GPU
-    cp "$W/results/machine.txt" "$B/" 2>/dev/null   # the GPU, its driver, torch (gpu_campaign.sh install)
+    cp "$W/results/machine.txt" "$B/" 2>/dev/null   # the GPU, its driver, torch, transformers (gpu_campaign.sh install)
+    cp "$REPO/.cache/qwen15b-coder-hf/config.json" "$B/model_config.json" 2>/dev/null   # the converted model's config, as transformers wrote it
     for run in "$@"; do fit_at "$run"; done
     touch "$B/done" ;;
   wait)  # wait N: until the runs end or N seconds pass; each outcome, and logs + metrics into $OUT
     end=$(( $(date +%s) + ${2:-300} ))
     while [ "$(date +%s)" -lt "$end" ] && [ ! -f "$B/done" ]; do sleep 5; done
     cat "$B"/*.outcome 2>/dev/null
-    tar -czf "$OUT/bisect.tgz" -C "$B" $(cd "$B" && ls *.outcome *.log *.metrics.csv machine.txt 2>/dev/null) 2>/dev/null
+    tar -czf "$OUT/bisect.tgz" -C "$B" $(cd "$B" && ls *.outcome *.log *.metrics.csv machine.txt model_config.json 2>/dev/null) 2>/dev/null
     [ -f "$B/done" ] && echo "all done" ;;
   *) echo "usage: bash bench/gpu_bisect.sh pack COMMIT... | run COMMIT[@LABEL]... | wait N" >&2; exit 2 ;;
 esac

@@ -399,7 +399,7 @@ case "${1:-}" in
     s=$(date +%s)
     bash /tmp/wheel-stage/install.sh install /tmp/site 2>&1 | tail -2
     "$PY" -c "import vllm, textworld, alfworld, jsonargparse, omegaconf; print('vllm', vllm.__version__)" || { log "install failed"; exit 1; }
-    { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"; } | tee "$W/results/machine.txt"   # what changed between days
+    { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; "$PY" -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__)"; } | tee "$W/results/machine.txt"   # what changed between days
     echo "install rc=0 seconds=$(( $(date +%s) - s ))" >> "$W/results/times.txt"
     touch "$W/install.done"; log "install done" ;;
   probe)  # after install: probe_lane alone in the background; `wait N probe` brings its results and logs back
