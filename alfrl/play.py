@@ -26,11 +26,11 @@ class ConsoleEngine(InProcessEngine):
 
     name = "console"
 
-    def __init__(self, fmt: ChatFormat, next_action: Callable[[], str], out=sys.stdout):
+    def __init__(self, fmt: ChatFormat, next_action: Callable[[], str], out=None):
         super().__init__()
         self.fmt = fmt
         self.next_action = next_action
-        self.out = out
+        self.out = out if out is not None else sys.stdout  # the stdout of the moment (a redirected one too), not the import's
         self.shown = 0
         self.last_prompt: list[int] = []
 
@@ -69,10 +69,11 @@ def play(
     context: str = "full",
     max_steps: int = 50,
     model: str | None = None,
-    out=sys.stdout,
+    out=None,
     read: Callable[[], str] | None = None,
 ) -> Trajectory:
-    """Play ``game``; returns its trajectory after printing the outcome."""
+    """Play ``game``, printing to ``out`` (default: the stdout of the call); returns its trajectory after printing the outcome."""
+    out = out if out is not None else sys.stdout
     g = find_game(data_dir, game)
     try:
         walkthrough_actions = g.walkthrough()

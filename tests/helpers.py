@@ -1,8 +1,10 @@
-"""Test doubles: a scripted engine that plays given action lists through the real token machinery."""
+"""Test doubles: a scripted engine that plays given action lists through the real token machinery; the CLI run in
+the test's process."""
 
 from __future__ import annotations
 
 import re
+import subprocess
 import time
 from collections.abc import Callable
 
@@ -146,3 +148,18 @@ class LatencyEngine(ScriptedEngine):
     @property
     def busy(self) -> bool:
         return bool(self._timed)
+
+
+def alfrl_here(capfd, *args: str) -> subprocess.CompletedProcess:
+    """``alfrl ARGS`` in this process (a process start costs ~9 s of imports on a 2-core CPU machine; the entry point itself runs as a
+    process in tests/test_recipes.py): its exit code and what it wrote, as ``subprocess.run`` gives them. An exception
+    other than SystemExit fails the test, as its traceback would in a process."""
+    from alfrl.cli import main
+
+    capfd.readouterr()
+    try:
+        code = main(list(args))
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    out = capfd.readouterr()
+    return subprocess.CompletedProcess(["alfrl", *args], code, out.out, out.err)

@@ -1,14 +1,13 @@
 """Game discovery with the reference filters, data preparation and `alfrl data`."""
 
 import json
-import subprocess
-import sys
 import tarfile
 
 import pytest
 
 from alfrl import games
 from alfrl.games import DataError, discover_games, shuffled
+from tests.helpers import alfrl_here
 
 
 def _write_game(root, split, task_folder, trial, solvable=True):
@@ -71,18 +70,14 @@ def test_prepare_from_an_archive(tmp_path):
         games.prepare_from_archive(tmp_path / "other", tmp_path / "missing.tar.xz")
 
 
-def _alfrl(*args, env=None):
-    return subprocess.run([sys.executable, "-m", "alfrl.cli", *args], capture_output=True, text=True, env=env)
-
-
-def test_data_summary_command(data_dir):
-    out = _alfrl("data", "summary", "--data-dir", data_dir, "--json")
+def test_data_summary_command(data_dir, capfd):
+    out = alfrl_here(capfd, "data", "summary", "--data-dir", data_dir, "--json")
     assert out.returncode == 0, out.stderr
     summary = json.loads(out.stdout)
     assert summary["splits"]["train"] == 3553 and summary["splits"]["valid_seen"] == 140 and summary["splits"]["valid_unseen"] == 134
 
 
-def test_data_summary_on_an_empty_folder_fails_clearly(tmp_path):
-    out = _alfrl("data", "summary", "--data-dir", str(tmp_path))
+def test_data_summary_on_an_empty_folder_fails_clearly(tmp_path, capfd):
+    out = alfrl_here(capfd, "data", "summary", "--data-dir", str(tmp_path))
     assert out.returncode == 2
     assert "alfrl data prepare" in out.stderr and "Traceback" not in out.stderr

@@ -2,9 +2,6 @@
 
 import json
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -14,9 +11,7 @@ from alfrl.evaluation import EvalConfig, eval_games, run_eval
 from alfrl.html_report import build_page, split_completion
 from alfrl.rewards import RewardConfig
 from alfrl.rollout import RolloutConfig, RolloutRunner
-from tests.helpers import WalkthroughEngine
-
-REPO = Path(__file__).resolve().parent.parent
+from tests.helpers import WalkthroughEngine, alfrl_here
 
 
 def _data(page: str) -> dict:
@@ -42,10 +37,10 @@ def evals(data_dir, tiny_tokenizer, tiny_model_dir, tmp_path_factory):
     return out, games
 
 
-def test_the_page_holds_every_game_turn_and_filter_and_nothing_from_the_network(evals):
+def test_the_page_holds_every_game_turn_and_filter_and_nothing_from_the_network(evals, capfd):
     out, games = evals
-    proc = subprocess.run([sys.executable, "-m", "alfrl.cli", "report", str(out / "expert.jsonl"), str(out / "tiny.jsonl"),
-                           "--names", "expert", "tiny", "--out", str(out / "report"), "--html"], cwd=REPO, capture_output=True, text=True)
+    proc = alfrl_here(capfd, "report", str(out / "expert.jsonl"), str(out / "tiny.jsonl"), "--names", "expert", "tiny",
+                      "--out", str(out / "report"), "--html")
     assert proc.returncode == 0, proc.stderr
     page = (out / "report" / "report.html").read_text()
     for control in ('id="run"', 'id="split"', 'id="task"', 'id="outcome"', 'id="stop"', 'id="other"'):

@@ -1,18 +1,16 @@
 """`alfrl play`: the expert walkthrough through the model's exact prompts, ending with the win."""
 
 import io
-import subprocess
-import sys
 
 from alfrl.play import play
+from tests.helpers import alfrl_here
 
 GAME = "valid_unseen:pick_heat_then_place_in_recep"
 
 
-def test_play_walkthrough_command_reports_the_win(data_dir, valid_games):
+def test_play_walkthrough_command_reports_the_win(data_dir, valid_games, capfd):
     game = next(g for g in valid_games if g.id.startswith(GAME))
-    out = subprocess.run([sys.executable, "-m", "alfrl.cli", "play", game.id, "--walkthrough", "--data-dir", data_dir],
-                         capture_output=True, text=True, timeout=300)
+    out = alfrl_here(capfd, "play", game.id, "--walkthrough", "--data-dir", data_dir)
     assert out.returncode == 0, out.stderr
     text = out.stdout
     assert "<|im_start|>system" in text and "alfworld_step" in text  # the template the model sees, tools included

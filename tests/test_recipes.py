@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from alfrl.recipe import parse_recipe, recipe_problems
+from tests.helpers import alfrl_here
 
 RECIPES = sorted(str(p) for p in (Path(__file__).resolve().parent.parent / "recipes").glob("*.yaml"))
 
@@ -63,25 +64,27 @@ def test_overrides_and_interpolation_after_overrides():
     assert cfg.checkpoint.dirpath == "runs/other/checkpoints"
 
 
-def _fit(*args):
-    return subprocess.run([sys.executable, "-m", "alfrl.cli", "fit", *args], capture_output=True, text=True, timeout=300)
+def _fit(capfd, *args) -> subprocess.CompletedProcess:
+    return alfrl_here(capfd, "fit", *args)
 
 
 def test_unknown_key_is_one_clear_line():
-    out = _fit("--config", "recipes/tiny.yaml", "--model.lrr", "1e-5")
+    out = subprocess.run([sys.executable, "-m", "alfrl.cli", "fit", "--config", "recipes/tiny.yaml", "--model.lrr", "1e-5"],
+                         capture_output=True, text=True, timeout=300)
     assert out.returncode != 0
     assert "alfrl: recipe error:" in out.stderr and "lrr" in out.stderr and "Traceback" not in out.stderr
 
 
-def test_unknown_key_in_a_recipe_file(tmp_path):
+def test_unknown_key_in_a_recipe_file(tmp_path, capfd):
     bad = tmp_path / "bad.yaml"
     bad.write_text(Path("recipes/tiny.yaml").read_text().replace("  group_size: 4", "  group_size: 4\n  groupsize: 4"))
-    out = _fit("--config", str(bad))
+    out = _fit(capfd, "--config", str(bad))
     assert out.returncode != 0 and "groupsize" in out.stderr and "Traceback" not in out.stderr
 
 
-def test_bad_values_are_listed_before_any_model_loads(tmp_path, tiny_model_dir):
+def test_bad_values_are_listed_before_any_model_loads(tmp_path, tiny_model_dir, capfd):
     out = _fit(
+        capfd,
         "--config", "recipes/tiny.yaml",
         "--model.model_name", tiny_model_dir,
         "--data.group_size", "1",
@@ -101,8 +104,8 @@ def test_bad_values_are_listed_before_any_model_loads(tmp_path, tiny_model_dir):
     assert len(lines) == 6
 
 
-def test_print_config_shows_the_resolved_recipe():
-    out = _fit("--config", "recipes/tiny.yaml", "--print_config")
+def test_print_config_shows_the_resolved_recipe(capfd):
+    out = _fit(capfd, "--config", "recipes/tiny.yaml", "--print_config")
     assert out.returncode == 0, out.stderr
     assert "save_dir: runs/tiny" in out.stdout and "${" not in out.stdout
     assert "group_size: 4" in out.stdout and "max_trajectory_tokens: 6000" in out.stdout
