@@ -226,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     if command not in COMMANDS:
         print(f"alfrl: unknown command {command!r}\n{__doc__}", file=sys.stderr)
         return 2
-    from alfrl.recipe import RecipeError
+    from alfrl.recipe import RecipeError, report_stop
 
     try:
         return COMMANDS[command](rest)
@@ -236,6 +236,11 @@ def main(argv: list[str] | None = None) -> int:
     except DataError as e:
         print(f"alfrl {command}: {e}", file=sys.stderr)
         return 2
+    except Exception as e:  # an engine or a weight sync stopped it: everything printed, its message last
+        code = report_stop(e, command)
+        if code is None:
+            raise
+        return code
 
 
 if __name__ == "__main__":

@@ -161,6 +161,10 @@ class RolloutDataModule(L.LightningDataModule):
     def teardown(self, stage: str) -> None:
         self.close()
 
+    def on_exception(self, exception: BaseException) -> None:
+        """A run that failed (Lightning calls no teardown then): the environment workers stop now, not at the process's exit."""
+        self.close()
+
     def close(self) -> None:
         if self.sampler is not None:
             self.sampler.close()

@@ -53,6 +53,29 @@ TRAINER_DEFAULTS = {
 
 EXIT_RECIPE = 2
 """Exit status of every recipe or data problem (``alfrl fit``, ``eval``, ``rollout``, ``sft``)."""
+EXIT_STOPPED = 1
+"""Exit status of a run an engine or a weight sync stopped (``EngineError``, ``WeightSyncError``)."""
+
+
+def report_stop(exc: BaseException, name: str) -> int | None:
+    """For a run stopped by an alfrl error (an engine's, a weight sync's) found in ``exc`` or in what it was raised
+    during or from: print everything (traceback and chain), then that error as the last line; returns EXIT_STOPPED.
+    None for anything else (the caller raises it). On a GPU broken by a CUDA fault Lightning's teardown raises a second
+    CUDA error, which Python would print last, after the one that says what happened."""
+    import traceback
+
+    from alfrl.engines import EngineError
+    from alfrl.sync import WeightSyncError
+
+    seen, cause = set(), exc
+    while cause is not None and id(cause) not in seen and not isinstance(cause, (EngineError, WeightSyncError)):
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    if not isinstance(cause, (EngineError, WeightSyncError)):
+        return None
+    traceback.print_exception(exc)
+    print(f"alfrl {name}: stopped: {cause}", file=sys.stderr)
+    return EXIT_STOPPED
 _HINT = "see the valid keys with `alfrl fit --help` or print a resolved recipe with `alfrl fit --config RECIPE --print_config`"
 
 
@@ -370,12 +393,18 @@ def load_recipe(args: list[str]) -> AlfrlCLI:
 
 
 def main_fit(args: list[str], cli: type[AlfrlCLI] = AlfrlCLI, name: str = "fit") -> int:
-    """``alfrl fit`` (or ``alfrl sft``): 0 when training ended, 2 with one message for a recipe or data problem."""
+    """``alfrl fit`` (or ``alfrl sft``): 0 when training ended, 2 with one message for a recipe or data problem, 1 when an
+    engine or a weight sync stopped it (its message last)."""
     try:
         run_cli(cli, ["fit", *args])
     except (RecipeError, DataError) as e:
         print(e if isinstance(e, RecipeError) else f"alfrl {name}: {e}", file=sys.stderr)
         return EXIT_RECIPE
+    except Exception as e:
+        code = report_stop(e, name)
+        if code is None:
+            raise
+        return code
     return 0
 
 

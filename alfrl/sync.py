@@ -37,6 +37,8 @@ import time
 
 import torch
 
+from alfrl.engines import EngineError
+
 SYNC_MODES = ("lora", "merged")
 NOISE_FACTOR = 2.0
 """The response is checked when the trainer's probe change is above this many times the first sync's gap.
@@ -101,7 +103,8 @@ class WeightSync:
         """Push and check; returns the ``sync/`` metrics. ``push=False`` skips the push itself (the
         tests and the GPU bench use it to show that the checks catch a sync that did nothing)."""
         self.engine.wake_up()
-        before = self.engine.score(self.probe) if self.check and not self.engine.shares_policy else None
+        before = self._score(f"before pushing weight version {policy.weight_version}") \
+            if self.check and not self.engine.shares_policy else None
         start = time.perf_counter()
         taken, expected = self.push(policy) if push else (0, 0)
         metrics = {"sync/seconds": time.perf_counter() - start, "sync/weight_version": float(policy.weight_version),
@@ -110,7 +113,7 @@ class WeightSync:
             raise WeightSyncError(f"the {self.engine.name} engine took {taken} of the {expected} pushed {self.mode} weights")
         if not self.check:
             return metrics
-        after = self.engine.score(self.probe)
+        after = self._score(f"after pushing weight version {policy.weight_version}")
         trainer = policy.score(self.probe)
         for who, scores in ((f"{self.engine.name} engine before the push", before), (f"{self.engine.name} engine", after), ("trainer", trainer)):
             bad = 0 if scores is None else sum(not math.isfinite(x) for x in scores)
@@ -158,6 +161,19 @@ class WeightSync:
         self.last_engine = after
         return metrics
 
+    def _score(self, when: str) -> list[float]:
+        """The engine's probe log-probs. An engine that fails here (vLLM's CUDA faults on the H200 came on this request)
+        raises an EngineError saying when, with the engine's note on what is known of such faults (``fault_hint``); the
+        original is its cause. Without it, Lightning's teardown on the broken GPU raised a second CUDA error last."""
+        try:
+            return self.engine.score(self.probe)
+        except (EngineError, WeightSyncError):
+            raise
+        except Exception as e:
+            first = (str(e).strip().splitlines() or [""])[0]
+            raise EngineError(f"the {self.engine.name} engine failed scoring the sync's probe {when} ({type(e).__name__}: "
+                              f"{first}){getattr(self.engine, 'fault_hint', '')}") from e
+
     def _weights_finite(self, policy) -> str:
         """Whether every pushed tensor is finite (said in a non-finite probe's error: the trainer's weights or the engine)."""
         tensors = list(policy.adapter_weights().tensors.values()) if self.mode == "lora" else [t for _, t in policy.merged_weights()]
@@ -174,7 +190,7 @@ class WeightSync:
         sleep. Nothing to compare before the first sync."""
         if not self.check or self.last_engine is None or self.engine.shares_policy:
             return {}
-        scores = self.engine.score(self.probe)
+        scores = self._score(when)
         bad = sum(not math.isfinite(x) for x in scores)
         if bad:
             raise NonFiniteProbeError(

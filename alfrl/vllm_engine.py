@@ -53,11 +53,25 @@ def keep_across_sleep(allocations: dict, kv_ranges: list[tuple[int, int]]) -> in
     return kept
 
 
+def _graphs(enforce_eager: bool, extra: dict) -> bool:
+    """Whether an engine with these settings replays CUDA graphs."""
+    return not enforce_eager and str(extra.get("compilation_config", {}).get("cudagraph_mode", "")).upper() != "NONE"
+
+
+def fault_hint(lora: bool, enforce_eager: bool, extra: dict) -> str:
+    """What to add when the engine fails scoring the sync's probe (``WeightSync``), for an engine with these settings:
+    with CUDA graphs and LoRA served, what the H200 showed (empty otherwise)."""
+    if not (lora and _graphs(enforce_eager, extra)):
+        return ""
+    return ("; seen with vLLM 0.26's CUDA graphs and LoRA served on the H200 (README fault table, 2026-12-02: a CUDA illegal "
+            "memory access on the engine's first request, or NaN after a push, in 10 of 10 fits of the 1.5B recipe), where "
+            "data.engine.enforce_eager: true has run clean")
+
+
 def wake_up_nan_hint(sleep_mode: bool, enforce_eager: bool, extra: dict) -> str:
     """What to add to a probe scored non-finite right after a wake-up, for an engine with these settings: with sleep mode
     and CUDA graphs, what the H200 showed (empty otherwise: nothing is known to break a setting without them)."""
-    graphs = not enforce_eager and str(extra.get("compilation_config", {}).get("cudagraph_mode", "")).upper() != "NONE"
-    if not (sleep_mode and graphs):
+    if not (sleep_mode and _graphs(enforce_eager, extra)):
         return ""
     return ("; the probe right after a wake-up: seen with vLLM 0.26's CUDA graphs and sleep mode on Qwen3.5-structure "
             "checkpoints (bench/README.md, 2026-12-02; piecewise graphs and prefix caching off did not help), where only "
@@ -119,6 +133,8 @@ class VLLMEngine:
         kwargs = dict(extra or {})
         self.wake_up_nan_hint = wake_up_nan_hint(enable_sleep_mode, enforce_eager, kwargs)
         """Appended to a non-finite probe right after a wake-up (``WeightSync``): what broke this before and what ran."""
+        self.fault_hint = fault_hint(self.lora_enabled, enforce_eager, kwargs)
+        """Appended when the engine fails scoring the sync's probe (``WeightSync``): what broke this before and what ran."""
         self.vision_language = bool(kwargs.get("language_model_only"))
         """The checkpoint is a vision-language model: trainer names get its text-stack prefix."""
         import torch.distributed as dist

@@ -130,6 +130,15 @@ def test_a_nan_after_a_wake_up_names_the_settings_that_broke_it_before():
     assert wake_up_nan_hint(True, False, {"compilation_config": {"cudagraph_mode": "NONE"}}) == ""
 
 
+def test_an_engine_fault_at_the_probe_names_the_settings_that_broke_it_before():
+    from alfrl.vllm_engine import fault_hint
+
+    assert "enforce_eager: true" in fault_hint(True, False, {}) and "LoRA served" in fault_hint(True, False, {})
+    assert "enforce_eager: true" in fault_hint(True, False, {"compilation_config": {"cudagraph_mode": "FULL_DECODE_ONLY"}})
+    assert fault_hint(True, True, {}) == fault_hint(False, False, {}) == ""  # eager, or merged weights: nothing known
+    assert fault_hint(True, False, {"compilation_config": {"cudagraph_mode": "NONE"}}) == ""
+
+
 class StandInLora(SimpleNamespace):
     """vLLM's LoRAModel as the engine uses it: an id, the layer weights, ``clone`` sharing them under a new id."""
 

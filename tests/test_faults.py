@@ -2,7 +2,9 @@
 
 import json
 import logging
+import os
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -113,6 +115,41 @@ def test_bad_fit_input_is_one_clear_line_and_status_2(args, expected, tmp_path, 
     assert "Traceback" not in err and "Loading weights" not in err
     if expected.startswith("trainer.logger"):
         assert "no_such_logging_pkg.Logger cannot be imported (No module named 'no_such_logging_pkg')" in err
+
+
+def test_a_run_an_engine_stops_ends_with_its_message_even_when_the_teardown_fails_too(tmp_path, tiny_model_dir, data_dir, capsys,
+                                                                                  monkeypatch):
+    """On the H200 a CUDA fault in vLLM's probe scoring was followed by a second CUDA error from Lightning's teardown,
+    printed last. The run stops with status 1, everything printed, and the engine's message as the last line."""
+    from alfrl.engines import EngineError, HFEngine
+    from alfrl.recipe import report_stop
+
+    try:
+        try:
+            raise EngineError("the vllm engine failed scoring the sync's probe")
+        except EngineError:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered (teardown)")  # noqa: B904
+    except RuntimeError as e:
+        assert report_stop(e, "fit") == 1
+    err = capsys.readouterr().err
+    assert "teardown" in err and err.rstrip().splitlines()[-1] == "alfrl fit: stopped: the vllm engine failed scoring the sync's probe"
+    assert report_stop(ValueError("not ours"), "fit") is None and capsys.readouterr().err == ""
+
+    monkeypatch.chdir(Path(__file__).resolve().parent.parent)
+    monkeypatch.setattr(logging, "raiseExceptions", False)  # Lightning's handlers hold an earlier test's captured stderr
+
+    def fault(self, ids):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(HFEngine, "score", fault)
+    args = ["fit", "--config", "recipes/tiny.yaml", "--model.model_name", tiny_model_dir, "--trainer.logger", "false",
+            "--data.engine.separate_weights", "true", "--trainer.default_root_dir", str(tmp_path / "run")]
+    assert main(args) == 1
+    last = capsys.readouterr().err.rstrip().splitlines()[-1]
+    assert last == ("alfrl fit: stopped: the hf engine failed scoring the sync's probe before pushing weight version 0 "
+                    "(RuntimeError: CUDA error: an illegal memory access was encountered)"), last
+    children = subprocess.run(["ps", "-o", "args=", "--ppid", str(os.getpid())], capture_output=True, text=True).stdout
+    assert "_worker_main" not in children, children  # the failed run stopped its environment workers
 
 
 def test_bad_eval_and_report_input_is_one_clear_line(tmp_path, capsys):

@@ -206,3 +206,32 @@ def test_the_engine_is_checked_after_a_rollout_against_its_last_sync(setup):
         sync.check_engine("after the rollout")
     engine.score = lambda ids: [x + 0.5 for x in score(ids)]
     assert sync.check_engine("after the rollout")["engine/probe_drift"] == pytest.approx(0.5)
+
+
+def test_an_engine_that_fails_scoring_the_probe_says_when_and_what_is_known(setup):
+    """A CUDA fault in the engine (vLLM on the H200: the first request, the sync's probe) becomes an EngineError naming
+    the sync and the engine's hint, the original as its cause; the engine's own errors pass as they are."""
+    policy, engine, probe, _ = setup
+    sync = WeightSync(engine, probe, tolerance=0.1, min_response=0.5)
+    score = engine.score
+
+    def fault(ids):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered\nCUDA kernel errors might be asynchronously reported")
+
+    engine.score, engine.fault_hint = fault, "; try enforce_eager"
+    with pytest.raises(EngineError, match=r"^the hf engine failed scoring the sync's probe before pushing weight version 0 "
+                       r"\(RuntimeError: CUDA error: an illegal memory access was encountered\); try enforce_eager$") as raised:
+        sync.sync(policy)
+    assert isinstance(raised.value.__cause__, RuntimeError)
+    engine.score = score
+    sync.sync(policy)
+    engine.score = fault
+    with pytest.raises(EngineError, match="failed scoring the sync's probe after the rollout"):
+        sync.check_engine("after the rollout")
+
+    def refused(ids):
+        raise EngineError("vLLM scored 3 of 9 probe tokens")
+
+    engine.score = refused
+    with pytest.raises(EngineError, match="^vLLM scored 3 of 9 probe tokens$"):
+        sync.sync(policy)
