@@ -76,6 +76,8 @@ def report_stop(exc: BaseException, name: str) -> int | None:
     traceback.print_exception(exc)
     print(f"alfrl {name}: stopped: {cause}", file=sys.stderr)
     return EXIT_STOPPED
+
+
 _HINT = "see the valid keys with `alfrl fit --help` or print a resolved recipe with `alfrl fit --config RECIPE --print_config`"
 
 

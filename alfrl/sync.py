@@ -121,7 +121,8 @@ class WeightSync:
                 # right after a wake-up: what the engine knows of its settings that broke this before (VLLMEngine)
                 hint = getattr(self.engine, "wake_up_nan_hint", "") if scores is before else ""
                 if scores is after:  # the engine before the push was finite: were the pushed weights, is the trainer?
-                    hint = f"; {self._weights_finite(policy)}; the trainer's probe: {sum(not math.isfinite(x) for x in trainer)} non-finite"
+                    hint = (f"; {self._weights_finite(policy)}; the trainer's probe: {sum(not math.isfinite(x) for x in trainer)} non-finite"
+                            f"{getattr(self.engine, 'fault_hint', '')}")
                 raise NonFiniteProbeError(
                     f"after syncing weight version {policy.weight_version}, {bad} of the {who}'s {len(scores)} probe log-probs are "
                     "not finite: it computes garbage (a NaN comparison would pass every other check, so this stops here)" + hint

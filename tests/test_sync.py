@@ -171,6 +171,11 @@ def test_non_finite_log_probs_stop_the_sync_instead_of_passing_every_comparison(
     engine.score = lambda ids: score(ids)[:-1] + [float("nan")] if pushed["n"] else score(ids)
     with pytest.raises(NonFiniteProbeError, match=r"engine's .* here\); all \d+ pushed lora tensors are finite; the trainer's probe: 0 non-finite$"):
         sync.sync(policy)
+    engine.fault_hint = "; graphs and LoRA"  # the engine's note on its settings (vLLM's: CUDA graphs with LoRA served)
+    pushed["n"] = 0
+    with pytest.raises(NonFiniteProbeError, match=r"the trainer's probe: 0 non-finite; graphs and LoRA$"):
+        sync.sync(policy)
+    engine.fault_hint = ""
     param = next(p for n, p in policy.model.named_parameters() if "lora_B" in n)
     with torch.no_grad():
         param[0, 0] = float("inf")
