@@ -78,6 +78,15 @@ def wake_up_nan_hint(sleep_mode: bool, enforce_eager: bool, extra: dict) -> str:
             "data.engine.enforce_eager: true has run clean")
 
 
+def scored_token(out, token: int) -> float:
+    """The log-prob of ``token`` in a one-token request's output that asked for it (``logprob_token_ids``)."""
+    steps = out.outputs[0].logprobs or []
+    if not steps or token not in steps[0]:
+        raise EngineError(f"vLLM returned no log-prob for probe token {token} (request {out.request_id}): "
+                          "this vLLM does not honour SamplingParams.logprob_token_ids; install vllm>=0.26")
+    return float(steps[0][token].logprob)
+
+
 class VLLMEngine:
     """A vLLM ``LLM`` in the trainer's own process, on token prompts, with prefix caching.
 
@@ -250,15 +259,22 @@ class VLLMEngine:
         return self.llm.llm_engine.has_unfinished_requests()
 
     def score(self, token_ids: list[int]) -> list[float]:
+        """Teacher-forced log-probs through the sampler, the path rollouts take: one request per position (the
+        prefix before it, one token, ``logprob_token_ids`` naming the token there), all in one batch.
+
+        Not ``prompt_logprobs``: in vLLM 0.26 the LoRA logits of prompt log-probs use a mapping of one row per
+        request for rows of one per prompt token (vllm-project/vllm#51594, #53842: wrong logits, "CUDA memory
+        access errors"); on the H200 every fit with CUDA graphs and LoRA served failed on that request
+        (bench/leases/2026-12-02h.md)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
-        (out,) = self.llm.generate([TokensPrompt(prompt_token_ids=list(token_ids))], params, use_tqdm=False, lora_request=self._lora)
-        scored = out.prompt_logprobs or []
-        if len(scored) != len(token_ids):
-            raise EngineError(f"vLLM scored {len(scored)} of {len(token_ids)} probe tokens")
-        return [0.0] + [float(step[tok].logprob) for tok, step in zip(token_ids[1:], scored[1:])]
+        prompts = [TokensPrompt(prompt_token_ids=list(token_ids[:i])) for i in range(1, len(token_ids))]
+        # never from the prefix cache: scoring the same weights twice must give the same numbers (sync's response check)
+        params = [SamplingParams(max_tokens=1, temperature=1.0, seed=0, detokenize=False, logprob_token_ids=[token_ids[i]],
+                                 skip_reading_prefix_cache=True) for i in range(1, len(token_ids))]
+        outs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self._lora) if prompts else []
+        return [0.0] + [scored_token(out, tok) for out, tok in zip(outs, token_ids[1:])]
 
     def load_adapter(self, adapter: AdapterWeights) -> int:
         """Register ``adapter`` in vLLM's LoRA manager (in memory) and serve it from the next request.

@@ -436,3 +436,41 @@ def test_the_recipes_vllm_settings_reach_the_engine(monkeypatch, tiny_model_dir)
     assert seen["stop_strings"] is False  # no stop strings: the engine skips its tokenizer
     Sampler.build(policy, RolloutConfig(stop_strings=("</action>",)), RewardConfig(), engine, EnvConfig(), EvalConfig(), with_pool=False)
     assert seen["stop_strings"] is True
+
+
+def test_the_vllm_engine_scores_a_sequence_through_the_sampler_one_position_a_request(monkeypatch):
+    """No prompt log-probs (vLLM 0.26 gives LoRA logits the wrong mapping there): request i is the prefix before
+    position i with that token's log-prob asked for, never read from the prefix cache, with the served adapter."""
+    import sys
+    from types import ModuleType, SimpleNamespace
+
+    from alfrl.engines import EngineError
+    from alfrl.vllm_engine import VLLMEngine
+
+    vllm = ModuleType("vllm")
+    vllm.SamplingParams = SimpleNamespace
+    inputs = ModuleType("vllm.inputs")
+    inputs.TokensPrompt = lambda prompt_token_ids: tuple(prompt_token_ids)
+    for name, mod in (("vllm", vllm), ("vllm.inputs", inputs)):
+        monkeypatch.setitem(sys.modules, name, mod)
+    seen = []
+
+    def generate(prompts, params, use_tqdm, lora_request):  # log p(token | prefix) = -(len(prefix) + token) / 100
+        seen.append((prompts, params, lora_request))
+        return [SimpleNamespace(request_id=str(i), outputs=[SimpleNamespace(logprobs=[
+            {9: SimpleNamespace(logprob=-0.5), **{t: SimpleNamespace(logprob=-(len(p) + t) / 100) for t in q.logprob_token_ids}}])])
+            for i, (p, q) in enumerate(zip(prompts, params))]
+
+    engine = object.__new__(VLLMEngine)
+    engine._lora = "served adapter"
+    engine.llm = SimpleNamespace(generate=generate)
+    assert engine.score([5, 3, 7, 2]) == [0.0, -0.04, -0.09, -0.05]
+    ((prompts, params, lora),) = seen
+    assert prompts == [(5,), (5, 3), (5, 3, 7)] and lora == "served adapter"
+    assert all(p.max_tokens == 1 and p.temperature == 1.0 and p.skip_reading_prefix_cache for p in params)
+    assert [p.logprob_token_ids for p in params] == [[3], [7], [2]] and not any(hasattr(p, "prompt_logprobs") for p in params)
+    assert engine.score([5]) == [0.0]
+    engine.llm = SimpleNamespace(generate=lambda prompts, params, use_tqdm, lora_request: [
+        SimpleNamespace(request_id="0", outputs=[SimpleNamespace(logprobs=[{9: SimpleNamespace(logprob=-0.5)}])])])
+    with pytest.raises(EngineError, match="no log-prob for probe token 3 .*logprob_token_ids"):
+        engine.score([5, 3])
