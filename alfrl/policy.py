@@ -24,6 +24,7 @@ from contextlib import nullcontext
 import lightning as L
 import torch
 
+from alfrl.guard import MemoryGuard
 from alfrl.linear_attention import KERNELS
 from alfrl.logprobs import causal_lm_of, predicted_logprobs, sequence_logprobs
 from alfrl.loss import ppo_clip_loss, token_weights, truncated_is_weights
@@ -101,6 +102,8 @@ class AlfrlPolicy(L.LightningModule):
         """How many updates the weights have seen (logged by the weight sync)."""
         self.skipped_steps = 0
         """Optimizer steps skipped for a non-finite gradient (logged)."""
+        self.guard = MemoryGuard()
+        """Parameters and optimizer state must come out of each rollout and sync as the last update left them."""
         self._lora_layers: list[torch.nn.Module] | None = None
         self.linear_attention = None
         """The kernel chosen for linear-attention layers (alfrl.linear_attention.Choice), before the first update."""
@@ -305,8 +308,17 @@ class AlfrlPolicy(L.LightningModule):
     def training_step(self, dataloader_iter):
         # dataloader_iter: the batch for step t is played only after update t-1 and its weight sync
         # (Lightning would otherwise prefetch the next batch before this step runs).
+        optimizer = self.optimizers().optimizer
+        if self.guard.taken is None:
+            self.guard.take(self.model, optimizer)
         batch, _, _ = next(dataloader_iter)  # steps 1-2: the rollout, its advantages and samples
+        guard_started = time.perf_counter()
+        self.guard.check(self.model, optimizer, "the rollout and the weight sync since the last update")
+        guard_seconds = time.perf_counter() - guard_started
         stats = self.update(batch.samples, temperature=batch.temperature)  # step 3
+        guard_started = time.perf_counter()
+        self.guard.take(self.model, optimizer)
+        stats["memory_guard_seconds"] = guard_seconds + time.perf_counter() - guard_started
         self.weight_version += 1
         metrics = {**batch.metrics, **{f"train/{k}": v for k, v in stats.items()}}
         shown = ("train/loss", "rollout/success_rate", "rollout/reward_mean")

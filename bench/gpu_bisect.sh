@@ -53,7 +53,7 @@ fit_at() {  # fit_at COMMIT[@LABEL]: two updates of that commit's code (HEAD: th
     --progress_bar.refresh_rate 0 "${extra[@]}") > "$B/$label.log" 2>&1
   local rc=$?
   cp "$B/runs/$label"/csv/version_0/metrics.csv "$B/$label.metrics.csv" 2>/dev/null
-  local what; what=$(grep -ao "NonFiniteProbeError: .*\|WeightSyncError: .*\|CUDA error: [a-z ]*\|max_steps=2. reached" "$B/$label.log" | tail -1)
+  local what; what=$(grep -ao "TrainerMemoryError: .*\|NonFiniteProbeError: .*\|WeightSyncError: .*\|CUDA error: [a-z ]*\|max_steps=2. reached" "$B/$label.log" | tail -1)
   echo "$label ($c) rc=$rc $(( $(date +%s) - s ))s ${envs[*]} ${extra[*]} ${what:-(see $label.log)}" > "$B/$label.outcome"
 }
 

@@ -164,3 +164,34 @@ def test_bad_eval_and_report_input_is_one_clear_line(tmp_path, capsys):
     other.write_text('{"type": "trajectory"}\n')
     assert main(["report", str(other), "--out", str(tmp_path / "r")]) == 2
     assert "holds no evaluated games" in capsys.readouterr().err
+
+
+def test_a_rollout_that_writes_into_the_trainers_weights_stops_the_run_at_once(tmp_path, tiny_model_dir, data_dir, capsys,
+                                                                             monkeypatch):
+    """The H200's graphs + LoRA fits ended with the trainer's own LoRA weights NaN an update later. A rollout that changes
+    a trainer tensor (here: the engine's step writes into one after the first update) stops the fit in that step."""
+    from alfrl.engines import HFEngine
+    from alfrl.policy import AlfrlPolicy
+
+    monkeypatch.chdir(Path(__file__).resolve().parent.parent)
+    monkeypatch.setattr(logging, "raiseExceptions", False)  # Lightning's handlers hold an earlier test's captured stderr
+    trainer = {}
+    start = AlfrlPolicy.on_train_start
+    monkeypatch.setattr(AlfrlPolicy, "on_train_start", lambda self: (trainer.setdefault("policy", self), start(self))[1])
+    step = HFEngine.step
+
+    def writing_step(self):
+        policy = trainer.get("policy")
+        if policy is not None and policy.weight_version == 1 and not trainer.get("written"):
+            lora = next(p for n, p in policy.model.named_parameters() if "lora_B" in n)
+            lora.data.view(-1)[0] = float("nan")
+            trainer["written"] = True
+        return step(self)
+
+    monkeypatch.setattr(HFEngine, "step", writing_step)
+    args = ["fit", "--config", "recipes/tiny.yaml", "--model.model_name", tiny_model_dir, "--trainer.logger", "false",
+            "--data.engine.separate_weights", "true", "--trainer.default_root_dir", str(tmp_path / "run")]
+    assert main(args) == 1
+    last = capsys.readouterr().err.rstrip().splitlines()[-1]
+    assert trainer.get("written") and last.startswith("alfrl fit: stopped: 1 of the trainer's ") and "lora_B" in last, last
+    assert "changed during the rollout and the weight sync since the last update" in last
