@@ -79,9 +79,8 @@ class EngineConfig:
     compiled code from one of the graphs (Qwen3.5 on the H200, 2026-12-02: NaN or a fault with both, clean with neither)."""
     async_scheduling: bool | None = None
     """vLLM: schedule the next engine step while the last one's outputs are copied back (``async_scheduling``); null:
-    vLLM's (on). A diagnostic knob: on the H200 (2026-12-02) the 1.5B recipe's engine scored its probe NaN or hit an
-    illegal memory access in 6 of 6 fits with CUDA graphs, each time on a probe's scoring (the one request with prompt
-    log-probs), while every rollout and evaluation ran clean. Whether async scheduling is involved is not known."""
+    vLLM's (on). A diagnostic knob: on the H200 (2026-12-02) the 1.5B recipe's fits with CUDA graphs failed with it
+    off as with it on (an illegal memory access on the engine's first request; bench/leases/2026-12-02h.md)."""
     prefix_caching: bool = True
     """vLLM: reuse the KV cache of prompt prefixes seen before (every turn's history; Qwen3.5's linear-attention
     layers in vLLM's experimental "align" mode). Off, every turn computes its whole history again."""

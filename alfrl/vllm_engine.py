@@ -63,9 +63,9 @@ def fault_hint(lora: bool, enforce_eager: bool, extra: dict) -> str:
     with CUDA graphs and LoRA served, what the H200 showed (empty otherwise)."""
     if not (lora and _graphs(enforce_eager, extra)):
         return ""
-    return ("; seen with vLLM 0.26's CUDA graphs and LoRA served on the H200 (README fault table, 2026-12-02: a CUDA illegal "
-            "memory access on the engine's first request, or NaN after a push, in 10 of 10 fits of the 1.5B recipe), where "
-            "data.engine.enforce_eager: true has run clean")
+    return ("; seen with vLLM 0.26's CUDA graphs and LoRA served on the H200 (README fault table, 2026-12-02: 13 of 13 fits "
+            "of the 1.5B recipe failed, lately with the trainer's own LoRA weights NaN after the second update), where "
+            "data.engine.enforce_eager: true or cudagraph_mode: none has run clean")
 
 
 def wake_up_nan_hint(sleep_mode: bool, enforce_eager: bool, extra: dict) -> str:
@@ -264,8 +264,8 @@ class VLLMEngine:
 
         Not ``prompt_logprobs``: in vLLM 0.26 the LoRA logits of prompt log-probs use a mapping of one row per
         request for rows of one per prompt token (vllm-project/vllm#51594, #53842: wrong logits, "CUDA memory
-        access errors"); on the H200 every fit with CUDA graphs and LoRA served failed on that request
-        (bench/leases/2026-12-02h.md)."""
+        access errors"). On the H200 this scoring ran in four fits (bench/leases/2026-12-02i.md): gaps 0.032-0.040,
+        as prompt log-probs gave; the graph fits' fault (the trainer's weights NaN) came with either scoring."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
