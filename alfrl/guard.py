@@ -52,6 +52,12 @@ def fingerprint(module: torch.nn.Module, optimizer: torch.optim.Optimizer | None
     return names, sums.view(torch.int64)
 
 
+def describe(t: torch.Tensor) -> str:
+    """Where a tensor lives and how much of it is not finite: for a changed tensor, where the write landed."""
+    bad = int((~torch.isfinite(t.detach())).sum()) if t.is_floating_point() else 0
+    return f"{bad} of {t.numel()} non-finite, {t.device} at {t.data_ptr():#x}, {t.numel() * t.element_size()} bytes"
+
+
 class MemoryGuard:
     """``take`` after the trainer changed its tensors; ``check(what)`` raises if anything changed them since."""
 
@@ -68,10 +74,12 @@ class MemoryGuard:
         now_names, now_bits = fingerprint(module, optimizer)
         if now_names != names:
             return  # another set of tensors (an optimizer made its state in between): nothing to compare
-        changed = [n for n, a, b in zip(names, bits.tolist(), now_bits.tolist()) if a != b]
+        changed = [i for i, (a, b) in enumerate(zip(bits.tolist(), now_bits.tolist())) if a != b]
         if changed:
+            tensors = _tensors(module, optimizer)[1]
+            first = ", ".join(f"{names[i]} ({describe(tensors[i])})" for i in changed[:3])
             raise TrainerMemoryError(
                 f"{len(changed)} of the trainer's {len(names)} parameter and optimizer-state tensors changed during {what}, "
-                f"which computes none of them (first: {', '.join(changed[:3])}): something in this process wrote into the "
+                f"which computes none of them (first: {first}): something in this process wrote into the "
                 "trainer's memory; seen with vLLM's CUDA graphs and the LoRA adapter served (README fault table), where "
                 "data.engine.enforce_eager: true has run clean")

@@ -77,6 +77,10 @@ class EngineConfig:
     ``enforce_eager``). Off with ``cudagraph_mode: full_decode_only`` replays whole decode steps as CUDA graphs of
     the uncompiled model; on with ``cudagraph_mode: none`` compiles without graphs: the two tell a fault of the
     compiled code from one of the graphs (Qwen3.5 on the H200, 2026-12-02: NaN or a fault with both, clean with neither)."""
+    cudagraph_specialize_lora: bool | None = None
+    """vLLM: capture separate CUDA graphs for steps with and without LoRA adapters
+    (``compilation_config.cudagraph_specialize_lora``); null: vLLM's (on). A diagnostic knob for the 1.5B recipe's
+    fault with graphs and LoRA served (README fault table)."""
     async_scheduling: bool | None = None
     """vLLM: schedule the next engine step while the last one's outputs are copied back (``async_scheduling``); null:
     vLLM's (on). A diagnostic knob: on the H200 (2026-12-02) the 1.5B recipe's fits with CUDA graphs failed with it
@@ -153,6 +157,8 @@ class EngineConfig:
             extra.setdefault("compilation_config", {})["cudagraph_mode"] = self.cudagraph_mode.upper()
         if self.torch_compile is False:
             extra.setdefault("compilation_config", {})["mode"] = 0  # vLLM's CompilationMode.NONE
+        if self.cudagraph_specialize_lora is not None:
+            extra.setdefault("compilation_config", {})["cudagraph_specialize_lora"] = self.cudagraph_specialize_lora
         if self.async_scheduling is not None:
             extra["async_scheduling"] = self.async_scheduling
         config = read_config(model_path)

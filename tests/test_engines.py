@@ -108,6 +108,8 @@ def test_the_cuda_graph_size_reaches_vllm_and_is_checked(tiny_model_dir):
         "compilation_config": {"cudagraph_mode": "FULL_DECODE_ONLY", "mode": 0}}
     assert EngineConfig(kind="vllm", torch_compile=True, cudagraph_mode="none").vllm_extra(tiny_model_dir) == {
         "compilation_config": {"cudagraph_mode": "NONE"}}
+    assert EngineConfig(kind="vllm", cudagraph_specialize_lora=False).vllm_extra(tiny_model_dir) == {
+        "compilation_config": {"cudagraph_specialize_lora": False}}
     assert EngineConfig(torch_compile=True, enforce_eager=True).problems() == [
         "data.engine.torch_compile=true contradicts data.engine.enforce_eager=true (eager turns torch.compile off): set one of them"]
     assert EngineConfig(torch_compile=False, cudagraph_mode="piecewise").problems() == [

@@ -29,12 +29,12 @@ def test_an_untouched_trainer_passes_and_its_fingerprint_names_every_tensor():
     guard.check(model, opt, "a forward")
 
 
-@pytest.mark.parametrize("write, name", [
-    (lambda m, o: m[0].weight.data.view(-1)[3].add_(1e-3), "0.weight"),  # a frozen base weight
-    (lambda m, o: m[1].bias.data.fill_(float("nan")), "1.bias"),
-    (lambda m, o: o.state[m[1].weight]["exp_avg_sq"].view(-1)[0].mul_(-1.0), "exp_avg_sq of 1.weight"),  # NaN at the next step
+@pytest.mark.parametrize("write, name, where", [
+    (lambda m, o: m[0].weight.data.view(-1)[3].add_(1e-3), "0.weight", "0 of 12 non-finite"),  # a frozen base weight
+    (lambda m, o: m[1].bias.data.fill_(float("nan")), "1.bias", "2 of 2 non-finite"),
+    (lambda m, o: o.state[m[1].weight]["exp_avg_sq"].view(-1)[0].mul_(-1.0), "exp_avg_sq of 1.weight", "0 of 6 non-finite"),  # NaN next step
 ])
-def test_a_write_into_the_trainers_memory_stops_with_the_tensor_named(write, name):
+def test_a_write_into_the_trainers_memory_stops_with_the_tensor_named(write, name, where):
     model, opt = _trained()
     guard = MemoryGuard()
     guard.take(model, opt)
@@ -42,7 +42,7 @@ def test_a_write_into_the_trainers_memory_stops_with_the_tensor_named(write, nam
     with pytest.raises(TrainerMemoryError, match=r"1 of the trainer's 13 .* during the rollout, which computes none") as e:
         guard.check(model, opt, "the rollout")
     assert isinstance(e.value, EngineError)  # a run it stops ends with it as the last line (alfrl.recipe.report_stop)
-    assert f"(first: {name})" in str(e.value)
+    assert f"(first: {name} ({where}, cpu at 0x" in str(e.value)
 
 
 def test_an_update_in_between_is_not_a_write_once_taken_again():
