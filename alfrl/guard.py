@@ -13,6 +13,8 @@ every sum bit-identical escapes it. About 1,500 small sums for the 1.5B model: m
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from alfrl.engines import EngineError
@@ -38,10 +40,9 @@ def _tensors(module: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -
     return names, tensors
 
 
-def fingerprint(module: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> tuple[list[str], torch.Tensor]:
-    """(names, the bits of each tensor's float64 sum) of every parameter and optimizer-state tensor. The sums stay on
-    their tensors' devices until one copy per device (AdamW keeps its step counts on the CPU)."""
-    names, tensors = _tensors(module, optimizer)
+def _sums(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The bits of each tensor's float64 sum. The sums stay on their tensors' devices until one copy per device
+    (AdamW keeps its step counts on the CPU)."""
     sums = torch.zeros(len(tensors), dtype=torch.float64)
     by_device: dict[torch.device, list[int]] = {}
     for i, t in enumerate(tensors):
@@ -49,7 +50,13 @@ def fingerprint(module: torch.nn.Module, optimizer: torch.optim.Optimizer | None
     with torch.no_grad():
         for idx in by_device.values():
             sums[idx] = torch.stack([tensors[i].detach().sum(dtype=torch.float64) for i in idx]).cpu()
-    return names, sums.view(torch.int64)
+    return sums.view(torch.int64)
+
+
+def fingerprint(module: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> tuple[list[str], torch.Tensor]:
+    """(names, the bits of each tensor's float64 sum) of every parameter and optimizer-state tensor."""
+    names, tensors = _tensors(module, optimizer)
+    return names, _sums(tensors)
 
 
 def describe(t: torch.Tensor) -> str:
@@ -59,24 +66,29 @@ def describe(t: torch.Tensor) -> str:
 
 
 class MemoryGuard:
-    """``take`` after the trainer changed its tensors; ``check(what)`` raises if anything changed them since."""
+    """``take`` after the trainer changed its tensors; ``check(what)`` raises if anything changed them since.
+    ``seconds``: the time both took so far (logged by the trainer as ``train/memory_guard_seconds``)."""
 
     def __init__(self):
         self.taken: tuple[list[str], torch.Tensor] | None = None
+        self.seconds = 0.0
 
     def take(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
+        started = time.perf_counter()
         self.taken = fingerprint(module, optimizer)
+        self.seconds += time.perf_counter() - started
 
     def check(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None, what: str) -> None:
         if self.taken is None:
             return
+        started = time.perf_counter()
         names, bits = self.taken
-        now_names, now_bits = fingerprint(module, optimizer)
+        now_names, tensors = _tensors(module, optimizer)
         if now_names != names:
             return  # another set of tensors (an optimizer made its state in between): nothing to compare
-        changed = [i for i, (a, b) in enumerate(zip(bits.tolist(), now_bits.tolist())) if a != b]
+        changed = [i for i, (a, b) in enumerate(zip(bits.tolist(), _sums(tensors).tolist())) if a != b]
+        self.seconds += time.perf_counter() - started
         if changed:
-            tensors = _tensors(module, optimizer)[1]
             first = ", ".join(f"{names[i]} ({describe(tensors[i])})" for i in changed[:3])
             raise TrainerMemoryError(
                 f"{len(changed)} of the trainer's {len(names)} parameter and optimizer-state tensors changed during {what}, "

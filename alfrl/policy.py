@@ -312,13 +312,10 @@ class AlfrlPolicy(L.LightningModule):
         if self.guard.taken is None:
             self.guard.take(self.model, optimizer)
         batch, _, _ = next(dataloader_iter)  # steps 1-2: the rollout, its advantages and samples
-        guard_started = time.perf_counter()
         self.guard.check(self.model, optimizer, "the rollout and the weight sync since the last update")
-        guard_seconds = time.perf_counter() - guard_started
         stats = self.update(batch.samples, temperature=batch.temperature)  # step 3
-        guard_started = time.perf_counter()
         self.guard.take(self.model, optimizer)
-        stats["memory_guard_seconds"] = guard_seconds + time.perf_counter() - guard_started
+        stats["memory_guard_seconds"] = self.guard.seconds
         self.weight_version += 1
         metrics = {**batch.metrics, **{f"train/{k}": v for k, v in stats.items()}}
         shown = ("train/loss", "rollout/success_rate", "rollout/reward_mean")

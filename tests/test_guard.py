@@ -53,3 +53,12 @@ def test_an_update_in_between_is_not_a_write_once_taken_again():
     opt.step()
     guard.take(model, opt)
     guard.check(model, opt, "the rollout")
+
+
+def test_the_guard_counts_the_time_it_takes():
+    model, opt = _trained()
+    guard = MemoryGuard()
+    guard.take(model, opt)
+    after_take = guard.seconds
+    guard.check(model, opt, "the rollout")
+    assert 0 < after_take < guard.seconds
