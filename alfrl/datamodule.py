@@ -139,7 +139,10 @@ class RolloutDataModule(L.LightningDataModule):
 
     # ------------------------------------------------------------ wiring
     def connect(self, policy, with_pool: bool = True) -> Sampler:
-        """The Sampler for ``policy`` (made once)."""
+        """The Sampler for ``policy`` (made once). In a fit the first call comes at ``on_train_start`` (the weight
+        sync), not in ``setup``: by then Lightning has put the policy's weights on the device, made the optimizer with
+        its state (``configure_optimizers``) and restored a checkpoint, so the trainer's long-lived GPU tensors exist
+        before the engine allocates anything (alfrl.guard says why)."""
         if self.sampler is None:
             self.sampler = Sampler.build(policy, self.rollout, self.reward, self.engine_cfg, self.env_cfg, self.eval_cfg,
                                          seed=self.seed, with_pool=with_pool)
@@ -153,7 +156,6 @@ class RolloutDataModule(L.LightningDataModule):
         if self.reward.noise > 0:
             log.warning("data.reward.noise=%s: every trajectory's reward carries random noise (a pipeline check on weights that "
                         "never win, not a learning run)", self.reward.noise)
-        self.connect(self.trainer.lightning_module)
         bar = getattr(self.trainer, "progress_bar_callback", None)
         if bar is not None and hasattr(bar, "rollout_progress"):
             self.progress_listener = bar.rollout_progress
@@ -206,7 +208,7 @@ class RolloutDataModule(L.LightningDataModule):
     def next_batch(self) -> RolloutBatch:
         games = self.step_games()
         # step 1, rollout: K trajectories of each game with the current weights
-        rollout = self.sampler.rollout(games, self.group_size, zlib.crc32(f"{self.seed}|step|{self.step}".encode()), self.progress_listener)
+        rollout = self.connect(self.trainer.lightning_module).rollout(games, self.group_size, zlib.crc32(f"{self.seed}|step|{self.step}".encode()), self.progress_listener)
         failed = [g for g in rollout.groups if g.failed is not None]
         if failed:
             log.warning("step %d: %d of %d groups could not be played and are left out (%s)", self.step, len(failed), len(rollout.groups), failed[0].failed)
@@ -244,7 +246,7 @@ class RolloutDataModule(L.LightningDataModule):
 
         rank, world = self._rank_world()
         games = eval_games(self.data_dir, self.eval_cfg.splits, limit_per_split)[rank::world]
-        records = self.sampler.evaluate_records(games)
+        records = self.connect(self.trainer.lightning_module).evaluate_records(games)
         if world > 1:
             gathered: list = [None] * world
             torch.distributed.all_gather_object(gathered, records)

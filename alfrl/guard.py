@@ -8,7 +8,15 @@ step) and the same fits eager, or compiled without graphs, ran clean. Something 
 ``MemoryGuard`` takes a fingerprint of every parameter and optimizer-state tensor (the float64 sum of each, its bits)
 after an update and compares it before the next: the rollout, the sync and evaluation in between change none of them.
 A difference stops the run at once, naming the tensors, instead of an update later as a NaN. A change that leaves
-every sum bit-identical escapes it. About 1,500 small sums for the 1.5B model: milliseconds on the GPU.
+every sum bit-identical escapes it. About 1,500 small sums for the 1.5B model: 0.09-0.11 s a fit's first step on the
+H200 (bench/leases/2026-12-03a.md).
+
+There the guard stopped the graph fits after the second rollout: the rollout and the sync had changed 6 of the
+optimizer's state tensors (finite values, one contiguous stretch of memory). AdamW made that state at its first step,
+after the engine had started, so it sat in memory the engine's allocator had held and given back. Hence the order a
+fit keeps: the trainer's long-lived GPU tensors, its weights and (``allocate_optimizer_state``) its optimizer state,
+exist before the engine starts (``RolloutDataModule.connect``, first called at ``on_train_start``), so no block the
+engine used and freed can hold them.
 """
 
 from __future__ import annotations
@@ -63,6 +71,37 @@ def describe(t: torch.Tensor) -> str:
     """Where a tensor lives and how much of it is not finite: for a changed tensor, where the write landed."""
     bad = int((~torch.isfinite(t.detach())).sum()) if t.is_floating_point() else 0
     return f"{bad} of {t.numel()} non-finite, {t.device} at {t.data_ptr():#x}, {t.numel() * t.element_size()} bytes"
+
+
+@torch.no_grad()
+def allocate_optimizer_state(optimizer: torch.optim.Optimizer) -> int:
+    """Make the optimizer's state for every trainable parameter now, as its first step would (AdamW: zeros, step 0),
+    instead of at that step. Done by the optimizer's own code: one step at learning rate 0 on zero gradients, which
+    leaves every parameter bit-identical, then the step counts set back to 0; the next real step is the first (tested
+    against a fresh optimizer). Returns how many parameters got state."""
+    params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad and not optimizer.state.get(p)]
+    if not params:
+        return 0
+    lrs = [g["lr"] for g in optimizer.param_groups]
+    grads = [p.grad for p in params]
+    try:
+        for g in optimizer.param_groups:
+            g["lr"] = 0.0
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        optimizer.step()
+    finally:
+        for g, lr in zip(optimizer.param_groups, lrs):
+            g["lr"] = lr
+        for p, grad in zip(params, grads):
+            p.grad = grad
+    for p in params:
+        state = optimizer.state[p]
+        if torch.is_tensor(state.get("step")):
+            state["step"].zero_()
+        elif "step" in state:
+            state["step"] = 0
+    return len(params)
 
 
 class MemoryGuard:

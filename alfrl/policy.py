@@ -198,8 +198,12 @@ class AlfrlPolicy(L.LightningModule):
         return [p for p in self.model.parameters() if p.requires_grad]
 
     def configure_optimizers(self):
+        from alfrl.guard import allocate_optimizer_state
+
         o = self.optim
-        return torch.optim.AdamW(self.trainable_parameters(), lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay, eps=o.eps)
+        optimizer = torch.optim.AdamW(self.trainable_parameters(), lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay, eps=o.eps)
+        allocate_optimizer_state(optimizer)  # now, before the engine starts (alfrl.guard)
+        return optimizer
 
     def merged_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(Hugging Face name, base + LoRA delta) for every weight the adapter changes, one at a time."""

@@ -42,7 +42,7 @@ class SamplerWeightSync(L.Callback):
         started = time.perf_counter()
         canary = {}
         if self.check and self.canary_at_step and trainer.global_step == self.canary_at_step:
-            canary = trainer.datamodule.sampler.weight_sync(self.check).canary(pl_module)
+            canary = trainer.datamodule.connect(pl_module).weight_sync(self.check).canary(pl_module)
             log.warning("weight-sync canary after update %d: a sync that skipped the push was %s (%s)", trainer.global_step,
                         "caught" if canary["sync/canary_caught"] else "NOT caught", canary.get("sync/canary_message", ""))
         self.sync(trainer, pl_module)
@@ -52,5 +52,5 @@ class SamplerWeightSync(L.Callback):
             pl_module.log(key, value, on_step=True, batch_size=1)
 
     def sync(self, trainer: L.Trainer, policy) -> dict[str, float]:
-        self.last = trainer.datamodule.sampler.sync(policy, check=self.check)
+        self.last = trainer.datamodule.connect(policy).sync(policy, check=self.check)
         return self.last

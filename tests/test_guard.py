@@ -62,3 +62,60 @@ def test_the_guard_counts_the_time_it_takes():
     after_take = guard.seconds
     guard.check(model, opt, "the rollout")
     assert 0 < after_take < guard.seconds
+
+
+def test_optimizer_state_made_up_front_changes_nothing_and_the_next_step_is_the_first():
+    from alfrl.guard import allocate_optimizer_state
+
+    def model_and_opt():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+        model[0].weight.requires_grad_(False)
+        return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
+
+    fresh, fresh_opt = model_and_opt()
+    early, early_opt = model_and_opt()
+    before = [p.detach().clone() for p in early.parameters()]
+    assert allocate_optimizer_state(early_opt) == 3 and not fresh_opt.state
+    assert all(torch.equal(a, b) for a, b in zip(before, early.parameters()))  # bit-identical weights
+    assert all(p.grad is None for p in early.parameters()) and early_opt.param_groups[0]["lr"] == 1e-2
+    assert sorted(early_opt.state[early[1].weight]) == ["exp_avg", "exp_avg_sq", "step"]
+    assert allocate_optimizer_state(early_opt) == 0  # made once
+    for _ in range(2):  # the same two updates: bit-identical weights and state
+        x = torch.randn(5, 4)
+        for model, opt in ((fresh, fresh_opt), (early, early_opt)):
+            opt.zero_grad()
+            model(x).pow(2).sum().backward()
+            opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(fresh.parameters(), early.parameters()))
+    for a, b in zip(fresh_opt.state.values(), early_opt.state.values()):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow
+def test_a_fit_starts_the_engine_after_the_trainers_weights_and_optimizer_state(tmp_path, tiny_model_dir, data_dir, monkeypatch):
+    """On the H200 the graph fits' rollouts wrote into AdamW state made after the engine started (alfrl.guard). The
+    engine now starts when every trainable parameter already has its optimizer state."""
+    import logging
+    from pathlib import Path
+
+    from alfrl.cli import main
+    from alfrl.sampler import Sampler
+
+    monkeypatch.chdir(Path(__file__).resolve().parent.parent)
+    monkeypatch.setattr(logging, "raiseExceptions", False)  # Lightning's handlers hold an earlier test's captured stderr
+    seen = []
+    build = Sampler.build.__func__
+
+    def recording_build(cls, policy, *args, **kwargs):
+        optimizers = policy.trainer.optimizers if policy._trainer is not None else []
+        params = [p for p in policy.parameters() if p.requires_grad]
+        seen.append((sum(bool(optimizers and optimizers[0].state.get(p)) for p in params), len(params)))
+        return build(cls, policy, *args, **kwargs)
+
+    monkeypatch.setattr(Sampler, "build", classmethod(recording_build))
+    args = ["fit", "--config", "recipes/tiny.yaml", "--model.model_name", tiny_model_dir, "--trainer.logger", "false",
+            "--trainer.max_steps", "1", "--data.rollout.max_episode_steps", "3", "--checkpoint.save_every", "0",
+            "--trainer.default_root_dir", str(tmp_path / "run")]
+    assert main(args) == 0
+    assert len(seen) == 1 and seen[0][1] > 0 and seen[0][0] == seen[0][1], seen
