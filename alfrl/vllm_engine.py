@@ -63,8 +63,8 @@ def fault_hint(lora: bool, enforce_eager: bool, extra: dict) -> str:
     with CUDA graphs and LoRA served, what the H200 showed (empty otherwise)."""
     if not (lora and _graphs(enforce_eager, extra)):
         return ""
-    return ("; seen with vLLM 0.26's CUDA graphs and LoRA served on the H200 (README fault table, 2026-12-02: 13 of 13 fits "
-            "of the 1.5B recipe failed, lately with the trainer's own LoRA weights NaN after the second update), where "
+    return ("; seen with vLLM 0.26's CUDA graphs and LoRA served on the H200 (README fault table: 15 of 15 fits of the 1.5B "
+            "recipe failed while the engine started before the trainer's memory; one clean since it starts after), where "
             "data.engine.enforce_eager: true or cudagraph_mode: none has run clean")
 
 
