@@ -124,7 +124,7 @@ class MemoryGuard:
         names, bits = self.taken
         now_names, tensors = _tensors(module, optimizer)
         if now_names != names:
-            return  # another set of tensors (an optimizer made its state in between): nothing to compare
+            return  # another set of tensors (an optimizer without its state made up front): nothing to compare
         changed = [i for i, (a, b) in enumerate(zip(bits.tolist(), _sums(tensors).tolist())) if a != b]
         self.seconds += time.perf_counter() - started
         if changed:

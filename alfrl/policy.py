@@ -24,7 +24,7 @@ from contextlib import nullcontext
 import lightning as L
 import torch
 
-from alfrl.guard import MemoryGuard
+from alfrl.guard import MemoryGuard, allocate_optimizer_state
 from alfrl.linear_attention import KERNELS
 from alfrl.logprobs import causal_lm_of, predicted_logprobs, sequence_logprobs
 from alfrl.loss import ppo_clip_loss, token_weights, truncated_is_weights
@@ -198,8 +198,6 @@ class AlfrlPolicy(L.LightningModule):
         return [p for p in self.model.parameters() if p.requires_grad]
 
     def configure_optimizers(self):
-        from alfrl.guard import allocate_optimizer_state
-
         o = self.optim
         optimizer = torch.optim.AdamW(self.trainable_parameters(), lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay, eps=o.eps)
         allocate_optimizer_state(optimizer)  # now, before the engine starts (alfrl.guard)
