@@ -13,7 +13,8 @@
 #   Each run is COMMIT or COMMIT@LABEL (one commit, several variants); per run (by LABEL, else COMMIT):
 #     BISECT_EXTRA_<label>="--data.engine.enforce_eager true"     recipe overrides (keys that commit knows)
 #     BISECT_ENV_<label>="-u VLLM_CACHE_ROOT VLLM_USE_V2_MODEL_RUNNER=0"   `env` arguments for its process
-#   BISECT_EXTRA="..." applies to every run. E.g. the next lease's variants at HEAD:
+#     BISECT_BENCH_<label>="--phases ceiling runners"        bench/sampler_bench.py with these arguments instead of the fit
+#   BISECT_EXTRA="..." applies to every run; BISECT_STEPS: updates per fit (2). E.g. the next lease's variants at HEAD:
 #     BISECT_EXTRA_eager="--data.engine.enforce_eager true" BISECT_EXTRA_sync="--data.engine.async_scheduling false" \
 #     BISECT_ENV_caches="-u VLLM_CACHE_ROOT -u TRITON_CACHE_DIR -u TORCHINDUCTOR_CACHE_DIR" BISECT_ENV_v1="VLLM_USE_V2_MODEL_RUNNER=0" \
 #       bash bench/gpu_bisect.sh run HEAD@eager HEAD@sync HEAD@caches HEAD@v1
@@ -48,12 +49,22 @@ fit_at() {  # fit_at COMMIT[@LABEL]: two updates of that commit's code (HEAD: th
   local own="BISECT_EXTRA_$label" env_of="BISECT_ENV_$label"
   read -ra extra <<< "${BISECT_EXTRA:-} ${!own:-}"
   read -ra envs <<< "${!env_of:-}"
-  (cd "$dir" && env "${envs[@]}" PYTHONPATH=/tmp/site:$dir timeout -k 20 "${BISECT_TIMEOUT:-600}" "$PY" -m alfrl.cli fit --config $RECIPE \
-    "${ARGS[@]}" --trainer.max_steps 2 --trainer.default_root_dir "$B/runs/$label" --checkpoint.save_every 0 \
-    --progress_bar.refresh_rate 0 "${extra[@]}") > "$B/$label.log" 2>&1
+  local bench_of="BISECT_BENCH_$label" cmd
+  if [ -n "${!bench_of:-}" ]; then  # bench/sampler_bench.py with these arguments instead of a fit; the overrides after `--`
+    read -ra bargs <<< "${!bench_of}"
+    cmd=("$PY" bench/sampler_bench.py --recipe $RECIPE --out "$B/$label.json" "${bargs[@]}" -- "${ARGS[@]}" --trainer.logger false)
+  else
+    cmd=("$PY" -m alfrl.cli fit --config $RECIPE "${ARGS[@]}" --trainer.max_steps "${BISECT_STEPS:-2}" --checkpoint.save_every 0
+         --trainer.default_root_dir "$B/runs/$label" --progress_bar.refresh_rate 0)
+  fi
+  (cd "$dir" && env "${envs[@]}" PYTHONPATH=/tmp/site:$dir timeout -k 20 "${BISECT_TIMEOUT:-600}" "${cmd[@]}" "${extra[@]}") > "$B/$label.log" 2>&1
   local rc=$?
   cp "$B/runs/$label"/csv/version_0/metrics.csv "$B/$label.metrics.csv" 2>/dev/null
-  local what; what=$(grep -ao "TrainerMemoryError: .*\|NonFiniteProbeError: .*\|WeightSyncError: .*\|CUDA error: [a-z ]*\|max_steps=2. reached" "$B/$label.log" | tail -1)
+  local what; what=$(grep -ao "TrainerMemoryError: .*\|NonFiniteProbeError: .*\|WeightSyncError: .*\|CUDA error: [a-z ]*\|max_steps=[0-9]*. reached\|^phase [a-z]*: .*" "$B/$label.log" | tail -1)
+  [ -f "$B/$label.json" ] && what="$what $("$PY" -c 'import json,sys; r=json.load(open(sys.argv[1]))["phases"]
+for k,v in sorted(r.get("runners",{}).items()):
+  if isinstance(v,dict) and "seconds" in v: print(k, round(v["seconds"],2), "s", v["engine_steps"], "steps", v["generated_tokens"], "tok;", end=" ")
+c=r.get("ceiling",{}); print("ceiling", round(c["seconds"],2) if "seconds" in c else c.get("error","-")[-80:])' "$B/$label.json" 2>&1 | tail -1)"
   echo "$label ($c) rc=$rc $(( $(date +%s) - s ))s ${envs[*]} ${extra[*]} ${what:-(see $label.log)}" > "$B/$label.outcome"
 }
 
@@ -79,7 +90,7 @@ case "${1:-}" in
     end=$(( $(date +%s) + ${2:-300} ))
     while [ "$(date +%s)" -lt "$end" ] && [ ! -f "$B/done" ]; do sleep 5; done
     cat "$B"/*.outcome 2>/dev/null
-    tar -czf "$OUT/bisect.tgz" -C "$B" $(cd "$B" && ls *.outcome *.log *.metrics.csv machine.txt model_config.json 2>/dev/null) 2>/dev/null
+    tar -czf "$OUT/bisect.tgz" -C "$B" $(cd "$B" && ls *.outcome *.log *.metrics.csv *.json *.txt 2>/dev/null) 2>/dev/null
     [ -f "$B/done" ] && echo "all done" ;;
   *) echo "usage: bash bench/gpu_bisect.sh pack COMMIT... | run COMMIT[@LABEL]... | wait N" >&2; exit 2 ;;
 esac

@@ -8,6 +8,7 @@ Phases (figures into one JSON; each phase's errors are recorded, the others stil
   20 turns of exactly 40 sampled + 250 appended tokens, each turn submitted when the last came back.
 - runners: the same 8 training games x 8 trajectories (recipe's episode limits, same seeds) through the
   old round-based schedule and the asynchronous one (``--schedules``): seconds, generated tokens/s, engine busy share;
+  first the policy is synced the recipe's way (LoRA served, or merged), as a fit's rollouts run (``--no-sync``: not);
   --profile-rollout START:COUNT: then one more asynchronous rollout with that window of engine steps profiled.
 - eval: the recipe's evaluation protocol on every evaluation game (the base model, or --adapter) -> --eval-out;
   --profile-steps START:COUNT profiles that window of engine steps (torch.profiler, then cProfile) -> OUT.profile.txt.
@@ -199,6 +200,8 @@ def main() -> None:
     parser.add_argument("--profile-rollout", default=None, help="runners phase: one more asynchronous rollout with engine steps "
                         "START:COUNT profiled (torch.profiler, then cProfile) -> OUT.rollout_profile.txt")
     parser.add_argument("--profile-update", action="store_true", help="update phase: PROFILED_VARIANT once more under torch.profiler -> OUT.update_profile.txt")
+    parser.add_argument("--no-sync", action="store_true", help="runners phase: no sync before the rollouts (the engine's "
+                        "base weights, no adapter served: how the runners ran until 2026-12-03)")
     parser.add_argument("--dry", action="store_true", help="CPU check with the recipe's HF engine (no vLLM phases)")
     parser.add_argument("overrides", nargs="*", help="recipe overrides, e.g. --data.engine.gpu_memory_utilization=0.5")
     args = parser.parse_args()
@@ -230,6 +233,8 @@ def main() -> None:
                 report["phases"]["ceiling"] = vllm_ceiling(sampler.engine)
             elif phase == "runners":
                 runs = {}
+                if not args.no_sync:  # served as a fit's rollouts are: after the first sync (the LoRA loaded, or merged weights)
+                    runs["first_sync"] = {k: v for k, v in sampler.sync(policy, check=False).items() if isinstance(v, (int, float))}
                 for schedule in args.schedules:
                     sampler.rollout_cfg = dataclasses.replace(dm.rollout, schedule=schedule)
                     result, seconds = timed(lambda: sampler.rollout(games, dm.group_size, seed=7))
