@@ -36,7 +36,7 @@ import traceback
 
 import torch
 from replay_ceiling import vllm_ceiling, vllm_replay  # bench/ (the script's folder is on sys.path)
-from update_bench import profile_tables, timed, update_phase
+from update_bench import UPDATE_VARIANTS, profile_tables, timed, update_phase
 
 
 def rollout_figures(result, seconds: float) -> dict:
@@ -200,11 +200,17 @@ def main() -> None:
     parser.add_argument("--profile-rollout", default=None, help="runners phase: one more asynchronous rollout with engine steps "
                         "START:COUNT profiled (torch.profiler, then cProfile) -> OUT.rollout_profile.txt")
     parser.add_argument("--profile-update", action="store_true", help="update phase: PROFILED_VARIANT once more under torch.profiler -> OUT.update_profile.txt")
+    parser.add_argument("--update-variants", nargs="+", default=None, help="update phase: only these UPDATE_VARIANTS "
+                        "names, in this order (a compiling one after one compiled the same way skips the warm-up)")
     parser.add_argument("--no-sync", action="store_true", help="runners phase: no sync before the rollouts (the engine's "
                         "base weights, no adapter served: how the runners ran until 2026-12-03)")
     parser.add_argument("--dry", action="store_true", help="CPU check with the recipe's HF engine (no vLLM phases)")
     parser.add_argument("overrides", nargs="*", help="recipe overrides, e.g. --data.engine.gpu_memory_utilization=0.5")
     args = parser.parse_args()
+    by_name = {v[0]: v for v in UPDATE_VARIANTS}
+    unknown = [n for n in args.update_variants or [] if n not in by_name]
+    if unknown:
+        parser.error(f"--update-variants {' '.join(unknown)}: not in bench/update_bench.py's UPDATE_VARIANTS ({', '.join(by_name)})")
 
     from alfrl.advantages import AdvantageConfig, make_samples
     from alfrl.evaluation import eval_games
@@ -286,7 +292,8 @@ def main() -> None:
                 for i, s in enumerate(samples):  # a non-zero advantage everywhere: every token gets a gradient
                     s.advantages_T[s.loss_mask_T] = 1.0 if i % 2 == 0 else -1.0
                 if phase == "update":
-                    report["phases"]["update"] = update_phase(policy, samples, dm.rollout.temperature,
+                    variants = UPDATE_VARIANTS if not args.update_variants else [by_name[n] for n in args.update_variants]
+                    report["phases"]["update"] = update_phase(policy, samples, dm.rollout.temperature, variants,
                                                               profile_path=args.out + ".update_profile.txt" if args.profile_update else None)
                 else:  # 8 trajectories are enough to move the weights, and keep 12 updates short
                     report["phases"]["sync"] = {}
