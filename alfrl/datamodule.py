@@ -10,6 +10,7 @@ the step's games; a group never spans ranks, so advantages stay exact.
 from __future__ import annotations
 
 import logging
+import statistics
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -219,6 +220,8 @@ class RolloutDataModule(L.LightningDataModule):
         metrics["rollout/engine_steps"] = float(rollout.stats.engine_steps)
         metrics["rollout/engine_step_ms"] = 1000 * rollout.stats.engine_seconds / max(rollout.stats.engine_steps, 1)
         metrics["rollout/submit_seconds"] = rollout.stats.submit_seconds
+        if rollout.stats.trajectory_end_seconds:  # half the trajectories had ended by then; the rest is the tail
+            metrics["rollout/half_ended_seconds"] = statistics.median(rollout.stats.trajectory_end_seconds)
         if rollout.sleep_freed_gib is not None:
             metrics["engine/sleep_freed_gib"] = rollout.sleep_freed_gib
         metrics.update(rollout.engine_metrics)
@@ -254,11 +257,11 @@ class RolloutDataModule(L.LightningDataModule):
         return summarize(records)
 
     SUMMED_METRICS = ("rollout/trajectories", "rollout/failed_groups", "rollout/degenerate_groups", "rollout/dropped_groups")
-    LOCAL_METRICS = ("rollout/seconds", "rollout/engine_busy_share")
+    LOCAL_METRICS = ("rollout/seconds", "rollout/engine_busy_share", "rollout/half_ended_seconds", "rollout/completion_tokens_max")
 
     def _reduce_metrics(self, metrics: dict[str, float], groups: list[TrajectoryGroup]) -> dict[str, float]:
         """Global metrics over all ranks: counts summed, rates weighted by each rank's trajectories
-        (rollout seconds stay this rank's)."""
+        (rollout seconds, its tail and its longest trajectory stay this rank's)."""
         _, world = self._rank_world()
         if world <= 1:
             return metrics

@@ -24,7 +24,7 @@ import logging
 import time
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from alfrl import protocol
 from alfrl.chat import ChatFormat
@@ -134,6 +134,9 @@ class RolloutStats:
     submit_seconds: float = 0.0
     """Handing requests to the engine (for vLLM: its input processing and prefix-cache hashing)."""
     requests: int = 0
+    trajectory_end_seconds: list[float] = field(default_factory=list)
+    """When each trajectory ended, seconds after the rollout started, in the order they ended: the rollout lasts as
+    long as its slowest trajectory, and the median says how much of it was that tail."""
     engine_steps: int = 0
     """Calls of ``engine.step()``: engine_seconds / engine_steps is the time of one. How many calls one model
     forward takes under vLLM's asynchronous scheduling was not measured (the sixth H200 lease's evaluation:
@@ -153,7 +156,7 @@ class RolloutRunner:
         self.stats = RolloutStats()
         self.trace: list[tuple[str, int, int, int]] | None = None
         """Set to a list to record events (kind, group, trajectory, turn): ``request`` (a turn was
-        submitted), ``completion`` (it came back), ``env`` (its environment answered)."""
+        submitted), ``completion`` (it came back), ``env`` (its environment answered), ``end`` (the trajectory ended)."""
 
     def run(
         self,
@@ -318,6 +321,7 @@ class _Play:
         self.next_group = 0
         """Groups before this index were started (``max_live_games``: the next starts when one ends)."""
         self.live_groups = 0
+        self.started = time.perf_counter()
 
     def event(self, kind: str, t: LiveTrajectory, turn: int) -> None:
         if self.r.trace is not None:
@@ -453,8 +457,16 @@ class _Play:
         self.turns += 1
         if t.live:
             self.ready.append((t, 1))
-        elif not any(o.live for o in self.lives[t.group]):
+            return
+        self.r.stats.trajectory_end_seconds.append(time.perf_counter() - self.started)
+        self.event("end", t, len(t.turns))
+        if not any(o.live for o in self.lives[t.group]):
             self.group_ended(t.group)
+
+
+def completion_tokens(t: Trajectory) -> int:
+    """The tokens the policy sampled in a trajectory (its turns' completions, as kept)."""
+    return sum(turn.completion_tokens for turn in t.turns)
 
 
 def rollout_metrics(groups: list[TrajectoryGroup], prefix: str = "rollout/") -> dict[str, float]:
@@ -466,6 +478,9 @@ def rollout_metrics(groups: list[TrajectoryGroup], prefix: str = "rollout/") -> 
         "success_rate": sum(t.won for t in trajs) / n,
         "invalid_actions_mean": sum(t.invalid_actions for t in trajs) / n,
         "steps_mean": sum(t.steps for t in trajs) / n,
+        # sampled tokens per trajectory: the longest sets how long an asynchronous rollout takes
+        "completion_tokens_mean": sum(completion_tokens(t) for t in trajs) / n,
+        "completion_tokens_max": float(max((completion_tokens(t) for t in trajs), default=0)),
         "trajectories": float(len(trajs)),
         "failed_groups": float(sum(g.failed is not None for g in groups)),
     }

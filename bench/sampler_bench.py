@@ -38,6 +38,14 @@ import torch
 from replay_ceiling import vllm_ceiling, vllm_replay  # bench/ (the script's folder is on sys.path)
 from update_bench import UPDATE_VARIANTS, profile_tables, timed, update_phase
 
+from alfrl.rollout import completion_tokens
+
+
+def quantiles(values) -> dict:
+    """min, p50, p90, max of a list (nearest rank), empty if it is."""
+    v = sorted(values)
+    return {"min": v[0], "p50": v[(len(v) - 1) // 2], "p90": v[min(len(v) - 1, round(0.9 * (len(v) - 1)))], "max": v[-1]} if v else {}
+
 
 def rollout_figures(result, seconds: float) -> dict:
     trajs = [t for g in result.groups for t in g.trajectories]
@@ -47,6 +55,9 @@ def rollout_figures(result, seconds: float) -> dict:
             "generated_tokens": result.counters.generated_tokens, "generated_tokens_per_second": result.counters.generated_tokens / seconds,
             "prompt_tokens": result.counters.prompt_tokens, "cached_prompt_tokens": result.counters.cached_prompt_tokens,
             "trajectories": len(trajs), "turns": sum(t.steps for t in trajs), "wins": sum(t.won for t in trajs),
+            # the tail: when the trajectories ended (seconds after the start), and the sampled tokens of each
+            "ended_seconds": quantiles(result.stats.trajectory_end_seconds),
+            "completion_tokens": quantiles([completion_tokens(t) for t in trajs]),
             "stop_reasons": {r: sum(t.stop_reason == r for t in trajs) for r in sorted({t.stop_reason for t in trajs})}}
 
 

@@ -11,7 +11,7 @@ import pytest
 from alfrl.chat import chat_format
 from alfrl.envs import EnvPool
 from alfrl.rewards import RewardConfig
-from alfrl.rollout import RolloutConfig, RolloutRunner
+from alfrl.rollout import RolloutConfig, RolloutRunner, rollout_metrics
 from tests.helpers import LatencyEngine, ScriptedEngine
 
 GAME = "valid_seen:look_at_obj_in_light-AlarmClock-None-DeskLamp-323/trial_T20190909_044715_250790"
@@ -54,6 +54,28 @@ def test_a_slow_completion_does_not_delay_the_other_trajectories_turns(game, fmt
     (rounds_group,), rounds_trace = _play(engine, fmt, game, "rounds")
     assert _first(rounds_trace, "request", 1, 2) > _first(rounds_trace, "completion", 0, 1)
     assert rounds_group.trajectories == group.trajectories  # and the trajectories are the same
+
+
+def test_the_stats_record_when_each_trajectory_ended_and_the_tail_shows(game, fmt):
+    # trajectory 0's completions take 1 s from turn 1 on: the other three end while it is still playing
+    engine = LatencyEngine(fmt, LOOKS, latency=lambda k, turn: 1.0 if (k == 0 and turn >= 1) else 0.01)
+    cfg = RolloutConfig(max_episode_steps=6, max_trajectory_tokens=20000, max_assistant_tokens=200)
+    with EnvPool(num_workers=4, step_timeout=30) as pool:
+        runner = RolloutRunner(engine, pool, fmt, cfg, RewardConfig())
+        runner.trace = []
+        (group,) = runner.run([game], len(LOOKS), seed=3)
+    ends = [e for e in runner.trace if e[0] == "end"]
+    assert [e[2] for e in ends][-1] == 0 and sorted(e[2] for e in ends) == [0, 1, 2, 3]  # the slow one ended last
+    assert all(e[3] == 6 for e in ends)  # each after its sixth turn
+    assert _first(runner.trace, "end", 3, 6) < _first(runner.trace, "completion", 0, 2)  # before its third turn came back
+    stats = runner.stats
+    assert len(stats.trajectory_end_seconds) == 4 and stats.trajectory_end_seconds == sorted(stats.trajectory_end_seconds)
+    assert 0 < stats.trajectory_end_seconds[-1] <= stats.seconds
+    metrics = rollout_metrics([group])
+    tokens = [sum(turn.completion_tokens for turn in t.turns) for t in group.trajectories]
+    assert min(tokens) > 0
+    assert metrics["rollout/completion_tokens_max"] == max(tokens)
+    assert metrics["rollout/completion_tokens_mean"] == sum(tokens) / 4
 
 
 def test_a_slow_environment_does_not_delay_the_other_trajectories_turns(game, fmt):
