@@ -63,7 +63,8 @@ fit_at() {  # fit_at COMMIT[@LABEL]: two updates of that commit's code (HEAD: th
   local what; what=$(grep -ao "TrainerMemoryError: .*\|NonFiniteProbeError: .*\|WeightSyncError: .*\|CUDA error: [a-z ]*\|max_steps=[0-9]*. reached\|^phase [a-z]*: .*" "$B/$label.log" | tail -1)
   [ -f "$B/$label.json" ] && what="$what $("$PY" -c 'import json,sys; r=json.load(open(sys.argv[1]))["phases"]
 for k,v in sorted(r.get("runners",{}).items()):
-  if isinstance(v,dict) and "seconds" in v: print(k, round(v["seconds"],2), "s", v["engine_steps"], "steps", v["generated_tokens"], "tok;", end=" ")
+  if isinstance(v,dict) and "seconds" in v: print(k, round(v["seconds"],2), "s", v["engine_steps"], "steps", v["generated_tokens"], "tok, half ended",
+    round(v.get("ended_seconds",{}).get("p50",0),2), "s, longest", v.get("completion_tokens",{}).get("max"), "tok;", end=" ")
 for u in r.get("update",{}).get("runs",[]): print(u["variant"], round(u.get("seconds",0),2), "s", round(100*u.get("mfu_6n",0),1), "%;", end=" ")
 c=r.get("ceiling",{}); print("ceiling", round(c["seconds"],2) if "seconds" in c else c.get("error","-")[-80:])' "$B/$label.json" 2>&1 | tail -1)"
   echo "$label ($c) rc=$rc $(( $(date +%s) - s ))s ${envs[*]} ${extra[*]} ${what:-(see $label.log)}" > "$B/$label.outcome"

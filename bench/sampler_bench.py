@@ -9,6 +9,7 @@ Phases (figures into one JSON; each phase's errors are recorded, the others stil
 - runners: the same 8 training games x 8 trajectories (recipe's episode limits, same seeds) through the
   old round-based schedule and the asynchronous one (``--schedules``): seconds, generated tokens/s, engine busy share;
   first the policy is synced the recipe's way (LoRA served, or merged), as a fit's rollouts run (``--no-sync``: not);
+  ``--repeats N``: N rollouts per schedule (seeds 7, 8, ...), each one's figures kept;
   --profile-rollout START:COUNT: then one more asynchronous rollout with that window of engine steps profiled.
 - eval: the recipe's evaluation protocol on every evaluation game (the base model, or --adapter) -> --eval-out;
   --profile-steps START:COUNT profiles that window of engine steps (torch.profiler, then cProfile) -> OUT.profile.txt.
@@ -213,6 +214,8 @@ def main() -> None:
     parser.add_argument("--profile-update", action="store_true", help="update phase: PROFILED_VARIANT once more under torch.profiler -> OUT.update_profile.txt")
     parser.add_argument("--update-variants", nargs="+", default=None, help="update phase: only these UPDATE_VARIANTS "
                         "names, in this order (a compiling one after one compiled the same way skips the warm-up)")
+    parser.add_argument("--repeats", type=int, default=1, help="runners phase: rollouts per schedule, seeds 7, 8, ... "
+                        "(the rollout lasts as long as its slowest trajectory, which changes with the seed)")
     parser.add_argument("--no-sync", action="store_true", help="runners phase: no sync before the rollouts (the engine's "
                         "base weights, no adapter served: how the runners ran until 2026-12-03)")
     parser.add_argument("--dry", action="store_true", help="CPU check with the recipe's HF engine (no vLLM phases)")
@@ -252,11 +255,18 @@ def main() -> None:
                 runs = {}
                 if not args.no_sync:  # served as a fit's rollouts are: after the first sync (the LoRA loaded, or merged weights)
                     runs["first_sync"] = {k: v for k, v in sampler.sync(policy, check=False).items() if isinstance(v, (int, float))}
-                for schedule in args.schedules:
-                    sampler.rollout_cfg = dataclasses.replace(dm.rollout, schedule=schedule)
-                    result, seconds = timed(lambda: sampler.rollout(games, dm.group_size, seed=7))
-                    runs[schedule] = rollout_figures(result, seconds)
-                    async_result = result
+                for rep in range(args.repeats):  # seed 7, then 8, ...: the schedules alternate within each seed
+                    for schedule in args.schedules:
+                        sampler.rollout_cfg = dataclasses.replace(dm.rollout, schedule=schedule)
+                        result, seconds = timed(lambda: sampler.rollout(games, dm.group_size, seed=7 + rep))
+                        figures = {"seed": 7 + rep, **rollout_figures(result, seconds)}
+                        if rep == 0:
+                            runs[schedule] = figures
+                            if schedule == "async" or async_result is None:  # the replay and the update use seed 7's
+                                async_result = result
+                        else:
+                            runs[schedule].setdefault("repeats", []).append(figures)
+                        runs.setdefault(f"{schedule}_seconds_by_seed", []).append(seconds)
                 sampler.rollout_cfg = dm.rollout
                 if args.profile_rollout:  # one more asynchronous rollout (untimed figures above) with a window of its steps profiled
                     first, count = (int(x) for x in args.profile_rollout.split(":"))
