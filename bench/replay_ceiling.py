@@ -100,9 +100,23 @@ def ceiling(core, make_params, submit_prompt=lambda ids: ids, groups: int = 8, g
     return drive(core, [(s, sampled) for s in seqs], next_turn, make_params, submit_prompt, prefix="ceiling")
 
 
-def on_vllm(engine, run, reset_prefix_cache: bool) -> dict:
+class _Served:
+    """vLLM's LLMEngine with ``lora`` on every request (as the rollout's requests carried the loaded adapter)."""
+
+    def __init__(self, core, lora):
+        self.core, self.lora = core, lora
+
+    def add_request(self, rid, prompt, params):
+        self.core.add_request(rid, prompt, params, lora_request=self.lora)
+
+    def step(self):
+        return self.core.step()
+
+
+def on_vllm(engine, run, reset_prefix_cache: bool, served: bool = False) -> dict:
     """``run(core, make_params, submit_prompt)`` (``replay`` or ``ceiling``) on a VLLMEngine's step API: forced lengths
-    (EOS ignored), final outputs only; with the engine's prompt and prefix-cache counters."""
+    (EOS ignored), final outputs only; with the engine's prompt and prefix-cache counters. ``served``: every request
+    carries the engine's loaded adapter (none loaded, or merged weights: the same as not)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
     from vllm.sampling_params import RequestOutputKind
@@ -115,17 +129,19 @@ def on_vllm(engine, run, reset_prefix_cache: bool) -> dict:
     if reset_prefix_cache:
         engine.llm.reset_prefix_cache()
     before = engine.counters()
-    out = run(engine.llm.llm_engine, params, lambda ids: TokensPrompt(prompt_token_ids=ids))
+    lora = engine._lora if served else None
+    core = engine.llm.llm_engine if lora is None else _Served(engine.llm.llm_engine, lora)
+    out = run(core, params, lambda ids: TokensPrompt(prompt_token_ids=ids))
     c = engine.counters().minus(before)
     out.pop("order")
-    return {**out, "prompt_tokens": c.prompt_tokens, "cached_prompt_tokens": c.cached_prompt_tokens,
+    return {**out, "adapter_served": lora is not None, "prompt_tokens": c.prompt_tokens, "cached_prompt_tokens": c.cached_prompt_tokens,
             "prefix_cache_share": c.cached_prompt_tokens / max(c.prompt_tokens, 1)}
 
 
-def vllm_replay(engine, trajectories) -> dict:
+def vllm_replay(engine, trajectories, served: bool = True) -> dict:
     """``replay`` on a VLLMEngine, its prefix cache reset first (the rollout cached every recorded prompt: start as cold
-    as the rollout did)."""
-    return on_vllm(engine, lambda core, params, wrap: replay(core, trajectories, params, wrap), reset_prefix_cache=True)
+    as the rollout did), with the adapter the rollout was served (``served``; since 2026-12-03, before that none)."""
+    return on_vllm(engine, lambda core, params, wrap: replay(core, trajectories, params, wrap), reset_prefix_cache=True, served=served)
 
 
 def vllm_ceiling(engine) -> dict:

@@ -13,7 +13,8 @@ Phases (figures into one JSON; each phase's errors are recorded, the others stil
   --profile-rollout START:COUNT: then one more asynchronous rollout with that window of engine steps profiled.
 - eval: the recipe's evaluation protocol on every evaluation game (the base model, or --adapter) -> --eval-out;
   --profile-steps START:COUNT profiles that window of engine steps (torch.profiler, then cProfile) -> OUT.profile.txt.
-- replay: the engine alone playing the asynchronous rollout's own turns again (bench/replay_ceiling.py).
+- replay: the engine alone playing the asynchronous rollout's own turns again (bench/replay_ceiling.py), each request
+  carrying the adapter the rollout was served (until 2026-12-03 none: the replay ran on the base weights).
 - update (bench/update_bench.py): PPO updates on the asynchronous rollout's trajectories, one per UPDATE_VARIANTS entry (packed-row
   size, gradient checkpointing, the LoRA's float32 matmul precision, the adapter's dtype, compiled layers, SDPA's kernels): seconds,
   peak memory and MFU (6N, and 8N with the gradient-checkpoint recompute), each compiling variant after an untimed

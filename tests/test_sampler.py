@@ -234,3 +234,12 @@ def test_the_replay_ceiling_plays_each_trajectorys_recorded_turns_back_to_back()
     assert firsts[0] == firsts[1] != firsts[2] == firsts[3]
     later = [p for p, _ in core.seen if len(p) == 11]
     assert all(p[5:9] == (1, 1, 1, 1) for p in later)  # the sampled tokens went back into the history
+    # served: every replayed request carries the adapter the rollout's requests carried
+    class LoraCore(Core):
+        def add_request(self, rid, prompt, n, lora_request=None):
+            self.loras = getattr(self, "loras", []) + [lora_request]
+            super().add_request(rid, prompt, n)
+
+    core = LoraCore()
+    out = rc.replay(rc._Served(core, "adapter-1"), [long, short], make_params=lambda n: n)
+    assert out["turns"] == 5 and core.loras == ["adapter-1"] * 5
