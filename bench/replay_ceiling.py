@@ -27,6 +27,32 @@ def turn_requests(trajectory) -> list[tuple[tuple[int, ...], int]]:
     return out
 
 
+def save_turns(trajectories, path: str) -> None:
+    """Each trajectory's token sequences and sampled spans (what ``turn_requests`` reads) -> gzipped JSON at ``path``: the
+    same turns replayed on another engine (``load_turns``) make a clean pair. Derived from games: keep such files out of
+    the repository."""
+    import gzip
+    import json
+
+    data = [[[list(seq.token_ids), [list(span) for span in seq.spans]] for seq in t.sequences] for t in trajectories]
+    with gzip.open(path, "wt") as f:
+        json.dump(data, f)
+
+
+def load_turns(path: str) -> list:
+    """``save_turns``' trajectories, each with ``.sequences`` as ``turn_requests`` and ``replay`` take them."""
+    import gzip
+    import json
+    from types import SimpleNamespace
+
+    from alfrl.types import TokenSequence
+
+    with gzip.open(path, "rt") as f:
+        data = json.load(f)
+    return [SimpleNamespace(sequences=tuple(TokenSequence(tuple(ids), (0.0,) * len(ids), tuple(tuple(s) for s in spans))
+                                            for ids, spans in t)) for t in data]
+
+
 def drive(core, firsts, next_turn, make_params, submit_prompt=lambda ids: ids, prefix: str = "replay") -> dict:
     """Sequences turn after turn on ``core`` (vLLM's ``LLMEngine``: ``add_request(id, prompt, params)`` and ``step()`` ->
     outputs with ``request_id``, ``finished`` and ``outputs[0].token_ids``), each sequence's next turn submitted the moment

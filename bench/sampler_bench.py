@@ -8,7 +8,7 @@ Phases (figures into one JSON; each phase's errors are recorded, the others stil
   20 turns of exactly 40 sampled + 250 appended tokens, each turn submitted when the last came back.
 - runners: the same 8 training games x 8 trajectories (recipe's episode limits, same seeds) through the
   old round-based schedule and the asynchronous one (``--schedules``): seconds, generated tokens/s, engine busy share;
-  first the policy is synced the recipe's way (LoRA served, or merged), as a fit's rollouts run (``--no-sync``: not);
+  before any phase the policy is synced the recipe's way (LoRA served, or merged), as a fit's rollouts run (``--no-sync``: not);
   ``--repeats N``: N rollouts per schedule (seeds 7, 8, ...), each one's figures kept;
   --profile-rollout START:COUNT: then one more asynchronous rollout with that window of engine steps profiled.
 - eval: the recipe's evaluation protocol on every evaluation game (the base model, or --adapter) -> --eval-out;
@@ -37,7 +37,7 @@ import time
 import traceback
 
 import torch
-from replay_ceiling import vllm_ceiling, vllm_replay  # bench/ (the script's folder is on sys.path)
+from replay_ceiling import load_turns, save_turns, vllm_ceiling, vllm_replay  # bench/ (the script's folder is on sys.path)
 from update_bench import UPDATE_VARIANTS, profile_tables, timed, update_phase
 
 from alfrl.rollout import completion_tokens
@@ -217,8 +217,12 @@ def main() -> None:
                         "names, in this order (a compiling one after one compiled the same way skips the warm-up)")
     parser.add_argument("--repeats", type=int, default=1, help="runners phase: rollouts per schedule, seeds 7, 8, ... "
                         "(the rollout lasts as long as its slowest trajectory, which changes with the seed)")
-    parser.add_argument("--no-sync", action="store_true", help="runners phase: no sync before the rollouts (the engine's "
-                        "base weights, no adapter served: how the runners ran until 2026-12-03)")
+    parser.add_argument("--save-turns", default=None, help="runners phase: seed 7's asynchronous (else round-based) rollout's "
+                        "turns -> this file (.json.gz), for --replay-turns in another run")
+    parser.add_argument("--replay-turns", default=None, help="replay phase: replay these saved turns (--save-turns of another "
+                        "run: the same work on this run's engine settings) instead of this run's own rollout")
+    parser.add_argument("--no-sync", action="store_true", help="no sync before the phases (the engine's base weights, no "
+                        "adapter served: how the runners and the replay ran until 2026-12-03)")
     parser.add_argument("--dry", action="store_true", help="CPU check with the recipe's HF engine (no vLLM phases)")
     parser.add_argument("overrides", nargs="*", help="recipe overrides, e.g. --data.engine.gpu_memory_utilization=0.5")
     args = parser.parse_args()
@@ -247,6 +251,8 @@ def main() -> None:
     report["engine_start_seconds"] = start_seconds
     games = sorted(shuffled(discover_games(dm.data_dir, [dm.train_split]), dm.seed)[: args.games], key=lambda g: g.id)
     async_result = None
+    if not args.no_sync:  # served as a fit's rollouts are: after the first sync (the LoRA loaded, or merged weights)
+        report["first_sync"] = {k: v for k, v in sampler.sync(policy).items() if isinstance(v, (int, float))}
     for phase in args.phases:
         started = time.perf_counter()
         try:
@@ -254,8 +260,6 @@ def main() -> None:
                 report["phases"]["ceiling"] = vllm_ceiling(sampler.engine)
             elif phase == "runners":
                 runs = {}
-                if not args.no_sync:  # served as a fit's rollouts are: after the first sync (the LoRA loaded, or merged weights)
-                    runs["first_sync"] = {k: v for k, v in sampler.sync(policy, check=False).items() if isinstance(v, (int, float))}
                 for rep in range(args.repeats):  # seed 7, then 8, ...: the schedules alternate within each seed
                     for schedule in args.schedules:
                         sampler.rollout_cfg = dataclasses.replace(dm.rollout, schedule=schedule)
@@ -281,11 +285,17 @@ def main() -> None:
                 if "ceiling" in report["phases"] and "async" in runs:
                     runs["async_over_ceiling_time"] = runs["async"]["seconds"] / report["phases"]["ceiling"]["seconds"]
                 report["phases"]["runners"] = runs
+                if args.save_turns and async_result is not None:  # seed 7's turns, for --replay-turns in another run
+                    save_turns([t for g in async_result.groups for t in g.trajectories], args.save_turns)
+                    runs["saved_turns"] = args.save_turns
             elif phase == "replay" and not args.dry:  # the engine alone, the async rollout's own turns (bench/replay_ceiling.py)
-                if async_result is None:
+                if async_result is None and not args.replay_turns:
                     async_result = sampler.rollout(games, dm.group_size, seed=7)
-                replayed = vllm_replay(sampler.engine, [t for g in async_result.groups for t in g.trajectories])
-                if "async" in report["phases"].get("runners", {}):
+                if args.replay_turns:  # another run's turns (--save-turns): the same work on this engine
+                    replayed = {"replayed_from": args.replay_turns, **vllm_replay(sampler.engine, load_turns(args.replay_turns))}
+                else:
+                    replayed = vllm_replay(sampler.engine, [t for g in async_result.groups for t in g.trajectories])
+                if "async" in report["phases"].get("runners", {}) and not args.replay_turns:
                     replayed["async_over_replay_time"] = report["phases"]["runners"]["async"]["seconds"] / replayed["seconds"]
                 if "ceiling" in report["phases"]:
                     replayed["replay_over_ceiling_time"] = replayed["seconds"] / report["phases"]["ceiling"]["seconds"]

@@ -175,7 +175,7 @@ def test_max_live_games_starts_the_next_game_when_one_ends(valid_games, fmt):
     assert RolloutConfig(max_live_games=-1).problems() == ["data.rollout.max_live_games=-1 must be >= 0 (0: every game at once)"]
 
 
-def test_the_replay_ceiling_plays_each_trajectorys_recorded_turns_back_to_back():
+def test_the_replay_ceiling_plays_each_trajectorys_recorded_turns_back_to_back(tmp_path):
     """bench/replay_ceiling.py on a stand-in engine that decodes one token per step: every turn's recorded prompt
     (the tokens before its sampled span) with its recorded length forced; a trajectory's next turn goes in as soon
     as its last one ends, so a short trajectory is not held back by a long one (no rounds)."""
@@ -243,3 +243,8 @@ def test_the_replay_ceiling_plays_each_trajectorys_recorded_turns_back_to_back()
     core = LoraCore()
     out = rc.replay(rc._Served(core, "adapter-1"), [long, short], make_params=lambda n: n)
     assert out["turns"] == 5 and core.loras == ["adapter-1"] * 5
+
+    # saved and loaded (another process's engine replays the same turns): the same requests
+    rc.save_turns([long, short, windowed], str(tmp_path / "turns.json.gz"))
+    loaded = rc.load_turns(str(tmp_path / "turns.json.gz"))
+    assert [rc.turn_requests(t) for t in loaded] == [rc.turn_requests(t) for t in (long, short, windowed)]
