@@ -14,7 +14,8 @@ Phases (figures into one JSON; each phase's errors are recorded, the others stil
 - eval: the recipe's evaluation protocol on every evaluation game (the base model, or --adapter) -> --eval-out;
   --profile-steps START:COUNT profiles that window of engine steps (torch.profiler, then cProfile) -> OUT.profile.txt.
 - replay: the engine alone playing the asynchronous rollout's own turns again (bench/replay_ceiling.py), each request
-  carrying the adapter the rollout was served (until 2026-12-03 none: the replay ran on the base weights).
+  carrying the adapter the rollout was served (until 2026-12-03 none: the replay ran on the base weights);
+  ``--save-turns FILE`` in one run and ``--replay-turns FILE`` in another replay the same turns on two engine settings.
 - update (bench/update_bench.py): PPO updates on the asynchronous rollout's trajectories, one per UPDATE_VARIANTS entry (packed-row
   size, gradient checkpointing, the LoRA's float32 matmul precision, the adapter's dtype, compiled layers, SDPA's kernels): seconds,
   peak memory and MFU (6N, and 8N with the gradient-checkpoint recompute), each compiling variant after an untimed
@@ -32,6 +33,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import random
 import time
 import traceback
@@ -226,6 +228,10 @@ def main() -> None:
     parser.add_argument("--dry", action="store_true", help="CPU check with the recipe's HF engine (no vLLM phases)")
     parser.add_argument("overrides", nargs="*", help="recipe overrides, e.g. --data.engine.gpu_memory_utilization=0.5")
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error(f"--repeats {args.repeats}: give 1 or more rollouts per schedule")
+    if args.replay_turns and not os.path.isfile(args.replay_turns):
+        parser.error(f"--replay-turns {args.replay_turns}: no such file; write it first with --save-turns in another run")
     by_name = {v[0]: v for v in UPDATE_VARIANTS}
     unknown = [n for n in args.update_variants or [] if n not in by_name]
     if unknown:
