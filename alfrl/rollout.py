@@ -473,14 +473,15 @@ def rollout_metrics(groups: list[TrajectoryGroup], prefix: str = "rollout/") -> 
     """Reward, success, invalid actions, steps and stop reasons over all trajectories."""
     trajs = [t for g in groups for t in g.trajectories]
     n = max(len(trajs), 1)
+    tokens = [completion_tokens(t) for t in trajs]
     metrics = {
         "reward_mean": sum(t.reward for t in trajs) / n,
         "success_rate": sum(t.won for t in trajs) / n,
         "invalid_actions_mean": sum(t.invalid_actions for t in trajs) / n,
         "steps_mean": sum(t.steps for t in trajs) / n,
         # sampled tokens per trajectory: the longest sets how long an asynchronous rollout takes
-        "completion_tokens_mean": sum(completion_tokens(t) for t in trajs) / n,
-        "completion_tokens_max": float(max((completion_tokens(t) for t in trajs), default=0)),
+        "completion_tokens_mean": sum(tokens) / n,
+        "completion_tokens_max": float(max(tokens, default=0)),
         "trajectories": float(len(trajs)),
         "failed_groups": float(sum(g.failed is not None for g in groups)),
     }

@@ -277,7 +277,6 @@ def main() -> None:
                                 async_result = result
                         else:
                             runs[schedule].setdefault("repeats", []).append(figures)
-                        runs.setdefault(f"{schedule}_seconds_by_seed", []).append(seconds)
                 sampler.rollout_cfg = dm.rollout
                 if args.profile_rollout:  # one more asynchronous rollout (untimed figures above) with a window of its steps profiled
                     first, count = (int(x) for x in args.profile_rollout.split(":"))
