@@ -9,7 +9,8 @@
 #   bash bench/gpu_bisect.sh pack 050d7ce 977bf1b ...           # -> .gpu-bisect/<commit>/ (git-ignored), one per commit
 # On the device, after the kit, the model pieces and
 #   PLAN=figures Q35_PART=0 FIG_BENCH=0 FIT_STEPS=0 GRAPH_TOKENS=0 bash bench/gpu_campaign.sh start   (games + model only):
-#   bash bench/gpu_bisect.sh run HEAD 050d7ce                   # carry .gpu-bisect (HEAD: this checkout); in the background
+#   bash bench/gpu_bisect.sh run HEAD 050d7ce                   # carry .gpu-bisect (HEAD: this checkout); in the background,
+#                                                               # after start's model (stops at once where start never ran)
 #   Each run is COMMIT or COMMIT@LABEL (one commit, several variants); per run (by LABEL, else COMMIT):
 #     BISECT_EXTRA_<label>="--data.engine.enforce_eager true"     recipe overrides (keys that commit knows)
 #     BISECT_ENV_<label>="-u VLLM_CACHE_ROOT VLLM_USE_V2_MODEL_RUNNER=0"   `env` arguments for its process
@@ -65,7 +66,9 @@ fit_at() {  # fit_at COMMIT[@LABEL]: two updates of that commit's code (HEAD: th
 for k,v in sorted(r.get("runners",{}).items()):
   if isinstance(v,dict) and "seconds" in v: print(k, round(v["seconds"],2), "s", v["engine_steps"], "steps", v["generated_tokens"], "tok, half ended",
     round(v.get("ended_seconds",{}).get("p50",0),2), "s, longest", v.get("completion_tokens",{}).get("max"), "tok;", end=" ")
-for u in r.get("update",{}).get("runs",[]): print(u["variant"], round(u.get("seconds",0),2), "s", round(100*u.get("mfu_6n",0),1), "%;", end=" ")
+for u in r.get("update",{}).get("runs",[]):
+  if "error" in u: print(u["variant"], "failed:", u["error"].strip().splitlines()[-1].split(":")[0].split(".")[-1] + ";", end=" ")
+  else: print(u["variant"], round(u["seconds"],2), "s", round(100*u["mfu_6n"],1), "%;", end=" ")
 c=r.get("ceiling",{}); print("ceiling", round(c["seconds"],2) if "seconds" in c else c.get("error","-")[-80:])' "$B/$label.json" 2>&1 | tail -1)"
   echo "$label ($c) rc=$rc $(( $(date +%s) - s ))s ${envs[*]} ${extra[*]} ${what:-(see $label.log)}" > "$B/$label.outcome"
 }
@@ -75,7 +78,8 @@ case "${1:-}" in
     shift
     for c in "$@"; do mkdir -p ".gpu-bisect/$c" && git archive "$c" | tar -x -C ".gpu-bisect/$c" && echo "$c: $(du -sh ".gpu-bisect/$c" | cut -f1)"; done ;;
   run)  # device: run COMMIT... (carry .gpu-bisect): copied to /tmp first (a carried path exists only during its call)
-    shift
+    shift  # the runs wait for gpu_campaign.sh start's model; a machine where it never started (a fresh one) stops here
+    [ "${DRY:-0}" = 1 ] || [ -f "$W/logs/start.log" ] || { echo "run: no model on this machine (a fresh one?): stage the kit and the model, then gpu_campaign.sh start" >&2; exit 1; }
     for run in "$@"; do c=${run%%@*}; [ "$c" = HEAD ] || [ -d "$B/code/$c" ] || { mkdir -p "$B/code" && cp -r ".gpu-bisect/$c" "$B/code/$c"; }; done
     cp "$0" "$B/bisect.sh"; rm -f "$B/done"
     for v in "${!BISECT_EXTRA_@}" "${!BISECT_ENV_@}"; do export "$v"; done
@@ -84,6 +88,8 @@ case "${1:-}" in
   _run)
     shift
     while pgrep -f "alfrl.cl[i] " > /dev/null; do sleep 3; done   # alone on the GPU
+    while [ "${DRY:-0}" != 1 ] && [ ! -f "$W/model.done" ]; do   # the converted model (gpu_campaign.sh start)
+      [ -f "$W/model.failed" ] && { echo "no model: gpu_campaign.sh start failed (its logs: $W/logs)" > "$B/model.outcome"; touch "$B/done"; exit 1; }; sleep 2; done
     cp "$W/results/machine.txt" "$B/" 2>/dev/null   # the GPU, its driver, torch, transformers (gpu_campaign.sh install)
     cp "$REPO/.cache/qwen15b-coder-hf/config.json" "$B/model_config.json" 2>/dev/null   # the converted model's config, as transformers wrote it
     for run in "$@"; do fit_at "$run"; done

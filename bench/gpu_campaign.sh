@@ -4,17 +4,15 @@
 # no step is bound by a call's limit.
 #
 # Calls, back to back (the device tool sends one chunk per call):
-#   bash bench/gpu_campaign.sh stage .gpu-kit/c01            # ... c06 (c01 carries install.sh)
-#   bash bench/gpu_campaign.sh stage .gpu-extra              # what the kit lacks (bench/fetch_extra_wheels.sh): Qwen3.5's GDN kernels
+#   bash bench/gpu_campaign.sh stage .gpu-kit/c01            # ... c06 (c01 carries install.sh); .gpu-extra: Qwen3.5's GDN kernels
 #   bash bench/gpu_campaign.sh stage .gpu-kit/c07 && bash bench/gpu_campaign.sh install   # the kit, in the background
 #   bash bench/gpu_campaign.sh stage .gpu-model/m01          # ... m19
 #   bash bench/gpu_campaign.sh stage .gpu-model/m20 && bash bench/gpu_campaign.sh start     # carry m20 and .gpu-data
 #   bash bench/gpu_campaign.sh wait 540                      # again until it says "all done"; packs $OUT
 #   bash bench/gpu_campaign.sh send rl 0; ... send rl 1; send sft 0; send sft 1   # the adapters (bf16, 5 pieces each), once RL ended
 #   bash bench/gpu_campaign.sh bench && bash bench/gpu_campaign.sh wait 540 bench   # if time is left: the GPU alone
-# Between calls the machine waits 30 s, then goes back with everything on it: decide before the first call.
-# Keep a `wait` call going while reading what came back: a pause of over 30 s between calls lost a running
-# evaluation with its machine (2026-12-02).
+# Between calls the machine waits 30 s, then goes back with everything on it: decide before the first call. Keep a `wait`
+# call going while reading what came back: a pause of over 30 s lost a running evaluation with its machine (2026-12-02).
 # PLAN=figures (given to `start`) runs the figures lane instead of the learning run: every benchmark alone (the
 # Sampler's, the update's variants, two `alfrl fit` steps, a staged adapter's 274-game evaluation with a profiled
 # window, once as vLLM captures CUDA graphs by default and once with GRAPH_TOKENS=2048: 0 skips it), then the reference
@@ -392,13 +390,14 @@ case "${1:-}" in
     elif [[ "$2" == *gpu-cache* ]]; then mkdir -p /tmp/cache-stage && cp "$2"/* /tmp/cache-stage/ && log "staged $2"
     elif [[ "$2" == *gpu-resume* ]]; then mkdir -p /tmp/resume-stage && cp "$2"/* /tmp/resume-stage/ && log "staged $2"
     else bash bench/gpu_session.sh stage "$2" && log "staged $2"; fi ;;
-  install)  # in the background: the kit into /tmp/site; needs every kit chunk
+  install)  # in the background: the kit into /tmp/site; needs every kit chunk (a machine that lacks c01 says so and stops here)
+    [ -f /tmp/wheel-stage/install.sh ] || { log "install: no kit staged on this machine (a fresh one?): stage .gpu-kit/c01 ... c07 again"; exit 1; }
     cp "$0" "$W/campaign.sh"; ALFRL_REPO=$REPO setsid nohup bash "$W/campaign.sh" _install > "$W/logs/install.log" 2>&1 < /dev/null &
     log "install started" ;;
   _install)
     s=$(date +%s)
     bash /tmp/wheel-stage/install.sh install /tmp/site 2>&1 | tail -2
-    "$PY" -c "import vllm, textworld, alfworld, jsonargparse, omegaconf; print('vllm', vllm.__version__)" || { log "install failed"; exit 1; }
+    "$PY" -c "import vllm, textworld, alfworld, jsonargparse, omegaconf; print('vllm', vllm.__version__)" || { log "install failed"; touch "$W/install.failed"; exit 1; }
     { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; "$PY" -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__)"; } | tee "$W/results/machine.txt"   # what changed between days
     echo "install rc=0 seconds=$(( $(date +%s) - s ))" >> "$W/results/times.txt"
     touch "$W/install.done"; log "install done" ;;
@@ -417,15 +416,16 @@ case "${1:-}" in
     [ -d "$RUN/q35" ] && mv "$RUN/q35" "$RUN/q35_try$n"
     for f in q35_fit q35_eval; do [ -f "$W/logs/$f.log" ] && mv "$W/logs/$f.log" "$W/logs/${f}_try$n.log"; done
     q35_figures; log "q35 done" ;;
-  start)  # carry .gpu-data (the games archive, the expert trajectories): copied before the call ends
+  start)  # carry .gpu-data (the games archive, the expert trajectories): copied before the call ends; needs `install` run here
+    [ "$DRY" = 1 ] || [ -f "$W/logs/install.log" ] || { log "start: no kit installed or installing on this machine: stage .gpu-kit/c01 ... c07, then install"; exit 1; }
     [ "$DRY" = 1 ] || { mkdir -p /tmp/gpu-data && cp -r .gpu-data/. /tmp/gpu-data/; }
     cp "$0" "$W/campaign.sh"; ALFRL_REPO=$REPO setsid nohup bash "$W/campaign.sh" _start > "$W/logs/start.log" 2>&1 < /dev/null &
     log "started" ;;
   _start)
     restore_caches
     if [ "$DRY" != 1 ]; then
-      while [ ! -f "$W/install.done" ]; do sleep 2; done
-      "${ALFRL[@]}" data prepare --data-dir .cache/alfworld --archive /tmp/gpu-data/json_2.1.1.tar.xz || exit 1
+      while [ ! -f "$W/install.done" ]; do [ -f "$W/install.failed" ] && { touch "$W/model.failed"; exit 1; }; sleep 2; done
+      "${ALFRL[@]}" data prepare --data-dir .cache/alfworld --archive /tmp/gpu-data/json_2.1.1.tar.xz || { touch "$W/model.failed"; exit 1; }
       [ "$PLAN" = figures ] && [ "${Q35_PART:-1}" = 1 ] && { timed random_q35 "${ALFRL[@]}" random-model --shape $Q35_SHAPE --out $Q35_MODEL; touch "$W/q35model.done"; } &
       if [ "$PLAN" = figures ] && [ "${Q35_FIRST:-0}" = 1 ]; then
         # the Qwen3.5 part needs no 1.5B model: it starts now, the GGUF is staged during it (the 1.5B part waits for it)
