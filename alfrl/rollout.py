@@ -172,7 +172,7 @@ class RolloutRunner:
         self.stats = RolloutStats()
         start = time.perf_counter()
         try:
-            play = _Play(self, groups, seed, progress, on_group)
+            play = _Play(self, groups, seed, progress, on_group, started=start)
             play.run()
         finally:
             for group in groups:
@@ -296,7 +296,7 @@ class _Play:
 
     POLL_SECONDS = 0.05
 
-    def __init__(self, runner: RolloutRunner, groups: list[EnvGroup], seed: int, progress, on_group=None):
+    def __init__(self, runner: RolloutRunner, groups: list[EnvGroup], seed: int, progress, on_group=None, *, started: float):
         self.r = runner
         self.on_group = on_group
         self.finished: dict[int, TrajectoryGroup] = {}
@@ -321,7 +321,8 @@ class _Play:
         self.next_group = 0
         """Groups before this index were started (``max_live_games``: the next starts when one ends)."""
         self.live_groups = 0
-        self.started = time.perf_counter()
+        self.started = started
+        """The rollout's start (``time.perf_counter()``, the run's clock): trajectory end times count from it."""
 
     def event(self, kind: str, t: LiveTrajectory, turn: int) -> None:
         if self.r.trace is not None:

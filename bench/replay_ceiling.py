@@ -13,8 +13,13 @@ turn prefills its recorded completion where the rollout had it cached: a few tok
 """
 from __future__ import annotations
 
+import gzip
+import json
 import random
 import time
+from types import SimpleNamespace
+
+from alfrl.types import TokenSequence
 
 
 def turn_requests(trajectory) -> list[tuple[tuple[int, ...], int]]:
@@ -31,9 +36,6 @@ def save_turns(trajectories, path: str) -> None:
     """Each trajectory's token sequences and sampled spans (what ``turn_requests`` reads) -> gzipped JSON at ``path``: the
     same turns replayed on another engine (``load_turns``) make a clean pair. Derived from games: keep such files out of
     the repository."""
-    import gzip
-    import json
-
     data = [[[list(seq.token_ids), [list(span) for span in seq.spans]] for seq in t.sequences] for t in trajectories]
     with gzip.open(path, "wt") as f:
         json.dump(data, f)
@@ -41,12 +43,6 @@ def save_turns(trajectories, path: str) -> None:
 
 def load_turns(path: str) -> list:
     """``save_turns``' trajectories, each with ``.sequences`` as ``turn_requests`` and ``replay`` take them."""
-    import gzip
-    import json
-    from types import SimpleNamespace
-
-    from alfrl.types import TokenSequence
-
     with gzip.open(path, "rt") as f:
         data = json.load(f)
     return [SimpleNamespace(sequences=tuple(TokenSequence(tuple(ids), (0.0,) * len(ids), tuple(tuple(s) for s in spans))
