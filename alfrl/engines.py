@@ -73,12 +73,18 @@ class EngineCounters:
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0
     generated_tokens: int = 0
+    draft_tokens: int = 0
+    """Tokens proposed by speculative decoding (vLLM's n-gram lookup) for the policy to verify."""
+    accepted_draft_tokens: int = 0
+    """Of those, the ones the rejection sampler kept (each one an engine step saved for its sequence)."""
 
     def minus(self, earlier: EngineCounters) -> EngineCounters:
         return EngineCounters(
             self.prompt_tokens - earlier.prompt_tokens,
             self.cached_prompt_tokens - earlier.cached_prompt_tokens,
             self.generated_tokens - earlier.generated_tokens,
+            self.draft_tokens - earlier.draft_tokens,
+            self.accepted_draft_tokens - earlier.accepted_draft_tokens,
         )
 
 
@@ -365,4 +371,6 @@ def counters_from_metrics(metrics: Iterable) -> EngineCounters:
         prompt_tokens=int(values.get("vllm:prompt_tokens", 0)),
         cached_prompt_tokens=int(cached),
         generated_tokens=int(values.get("vllm:generation_tokens", 0)),
+        draft_tokens=int(values.get("vllm:spec_decode_num_draft_tokens", 0)),
+        accepted_draft_tokens=int(values.get("vllm:spec_decode_num_accepted_tokens", 0)),
     )

@@ -85,6 +85,16 @@ class EngineConfig:
     """vLLM: schedule the next engine step while the last one's outputs are copied back (``async_scheduling``); null:
     vLLM's (on). A diagnostic knob: on the H200 (2026-12-02) the 1.5B recipe's fits with CUDA graphs failed with it
     off as with it on (an illegal memory access on the engine's first request; bench/leases/2026-12-02h.md)."""
+    speculative_ngram_tokens: int = 0
+    """vLLM: n-gram speculative decoding (prompt lookup, on the GPU): up to this many tokens per step proposed from the
+    sequence's own history where its last ``speculative_ngram_min``..``speculative_ngram_max`` tokens occurred before,
+    then verified by the policy in the same step; vLLM's rejection sampler keeps what is sampled distributed as without
+    speculation and the log-probs are the policy's. It shortens the trajectories that decode alone at the end of a rollout (they copy
+    their history: repeated actions, imagined observations). 0: off."""
+    speculative_ngram_min: int = 2
+    """vLLM: the shortest trailing n-gram looked up (vLLM's ``prompt_lookup_min``)."""
+    speculative_ngram_max: int = 5
+    """vLLM: the longest trailing n-gram looked up (vLLM's ``prompt_lookup_max``)."""
     prefix_caching: bool = True
     """vLLM: reuse the KV cache of prompt prefixes seen before (every turn's history; Qwen3.5's linear-attention
     layers in vLLM's experimental "align" mode). Off, every turn computes its whole history again."""
@@ -134,6 +144,14 @@ class EngineConfig:
         if self.torch_compile is False and self.cudagraph_mode in ("piecewise", "full_and_piecewise"):
             out.append(f"{prefix}.cudagraph_mode={self.cudagraph_mode!r} needs torch.compile (its pieces are the compiled graph's): "
                        f"with {prefix}.torch_compile=false use full_decode_only, full or none")
+        if self.speculative_ngram_tokens < 0:
+            out.append(f"{prefix}.speculative_ngram_tokens={self.speculative_ngram_tokens} must be >= 0 (0: no speculative decoding)")
+        if self.speculative_ngram_tokens and self.kind != "vllm":
+            out.append(f"{prefix}.speculative_ngram_tokens={self.speculative_ngram_tokens} needs {prefix}.kind: vllm "
+                       "(the hf engine does not speculate): set it to 0")
+        if not 1 <= self.speculative_ngram_min <= self.speculative_ngram_max:
+            out.append(f"{prefix}.speculative_ngram_min={self.speculative_ngram_min} and speculative_ngram_max="
+                       f"{self.speculative_ngram_max} must satisfy 1 <= min <= max")
         if self.gdn_prefill_backend not in (None, "triton", "flashinfer"):
             out.append(f"{prefix}.gdn_prefill_backend={self.gdn_prefill_backend!r} is not one of triton, flashinfer (or null)")
         if self.max_batch_rows < 1:
@@ -161,6 +179,12 @@ class EngineConfig:
             extra.setdefault("compilation_config", {})["cudagraph_specialize_lora"] = self.cudagraph_specialize_lora
         if self.async_scheduling is not None:
             extra["async_scheduling"] = self.async_scheduling
+        if self.speculative_ngram_tokens:
+            # the lookup on the GPU (vLLM's ``ngram_gpu``): it keeps async scheduling on, and the CPU one needs numba
+            extra["speculative_config"] = {"method": "ngram_gpu",
+                                           "num_speculative_tokens": self.speculative_ngram_tokens,
+                                           "prompt_lookup_min": self.speculative_ngram_min,
+                                           "prompt_lookup_max": self.speculative_ngram_max}
         config = read_config(model_path)
         vl = is_vision_language(config)
         if self.language_model_only if self.language_model_only is not None else vl:

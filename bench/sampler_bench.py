@@ -58,6 +58,7 @@ def rollout_figures(result, seconds: float) -> dict:
             "engine_steps": result.stats.engine_steps, "submit_seconds": result.stats.submit_seconds,
             "generated_tokens": result.counters.generated_tokens, "generated_tokens_per_second": result.counters.generated_tokens / seconds,
             "prompt_tokens": result.counters.prompt_tokens, "cached_prompt_tokens": result.counters.cached_prompt_tokens,
+            "draft_tokens": result.counters.draft_tokens, "accepted_draft_tokens": result.counters.accepted_draft_tokens,
             "trajectories": len(trajs), "turns": sum(t.steps for t in trajs), "wins": sum(t.won for t in trajs),
             # the tail: when the trajectories ended (seconds after the start), and the sampled tokens of each
             "ended_seconds": quantiles(result.stats.trajectory_end_seconds),

@@ -84,6 +84,12 @@ def test_vllm_counters_read_cached_prompt_tokens_not_cache_queries():
     assert (c.prompt_tokens, c.cached_prompt_tokens, c.generated_tokens) == (16469304, 15979696, 265550)
     older = [M(name="vllm:prompt_tokens", value=100), M(name="vllm:prefix_cache_hits", value=60)]
     assert counters_from_metrics(older).cached_prompt_tokens == 60
+    assert (c.draft_tokens, c.accepted_draft_tokens) == (0, 0)  # no speculative decoding: vLLM has no such counters
+    spec = counters_from_metrics(seen + [M(name="vllm:spec_decode_num_drafts", value=7),
+                                         M(name="vllm:spec_decode_num_draft_tokens", value=400),
+                                         M(name="vllm:spec_decode_num_accepted_tokens", value=123)])
+    assert (spec.draft_tokens, spec.accepted_draft_tokens) == (400, 123)
+    assert spec.minus(c).accepted_draft_tokens == 123 and spec.minus(spec).draft_tokens == 0
 
 
 def test_a_fixed_kv_cache_size_reaches_vllm_and_is_checked(tiny_model_dir):
@@ -121,6 +127,22 @@ def test_the_cuda_graph_size_reaches_vllm_and_is_checked(tiny_model_dir):
     assert EngineConfig(kind="vllm", async_scheduling=True).vllm_extra(tiny_model_dir) == {"async_scheduling": True}
     assert EngineConfig(cudagraph_mode="fast").problems() == [
         "data.engine.cudagraph_mode='fast' is not one of none, piecewise, full, full_decode_only, full_and_piecewise (or null for vLLM's)"]
+
+
+def test_speculative_decoding_reaches_vllm_and_is_checked(tiny_model_dir):
+    from alfrl.sampler import EngineConfig
+
+    assert "speculative_config" not in EngineConfig(kind="vllm").vllm_extra(tiny_model_dir)  # off by default
+    extra = EngineConfig(kind="vllm", speculative_ngram_tokens=4, speculative_ngram_min=3).vllm_extra(tiny_model_dir)
+    assert extra == {"speculative_config": {"method": "ngram_gpu", "num_speculative_tokens": 4,
+                                            "prompt_lookup_min": 3, "prompt_lookup_max": 5}}
+    assert EngineConfig(kind="vllm", speculative_ngram_tokens=4).problems() == []
+    assert EngineConfig(speculative_ngram_tokens=4).problems() == [
+        "data.engine.speculative_ngram_tokens=4 needs data.engine.kind: vllm (the hf engine does not speculate): set it to 0"]
+    assert EngineConfig(kind="vllm", speculative_ngram_tokens=-1).problems() == [
+        "data.engine.speculative_ngram_tokens=-1 must be >= 0 (0: no speculative decoding)"]
+    assert EngineConfig(kind="vllm", speculative_ngram_min=6).problems() == [
+        "data.engine.speculative_ngram_min=6 and speculative_ngram_max=5 must satisfy 1 <= min <= max"]
 
 
 def test_a_nan_after_a_wake_up_names_the_settings_that_broke_it_before():
