@@ -95,6 +95,8 @@ case "${1:-}" in
     for run in "$@"; do fit_at "$run"; done
     touch "$B/done" ;;
   wait)  # wait N: until the runs end or N seconds pass; each outcome, and logs + metrics into $OUT
+    # a machine where no run started (it went back between calls: a fresh one) has nothing to wait for (2026-12-03d: 400 s lost)
+    [ -f "$B/job.log" ] || { echo "wait: no bisect run on this machine (a fresh one?): stage the kit and the model, start, run again" >&2; exit 1; }
     end=$(( $(date +%s) + ${2:-300} ))
     while [ "$(date +%s)" -lt "$end" ] && [ ! -f "$B/done" ]; do sleep 5; done
     cat "$B"/*.outcome 2>/dev/null

@@ -455,6 +455,7 @@ print(int(c['callbacks'].get('Timer', {}).get('time_elapsed', {}).get('train', 0
   wait)  # wait N [bench|probe|q35]: until the learning job (or that part) is done or N seconds pass; then pack what there is
     end=$(( $(date +%s) + ${2:-540} )); mark=$W/all.done; [ "${3:-}" = bench ] && mark=$W/bench_lane.done
     [ "${3:-}" = probe ] && mark=$W/probe.done; [ "${3:-}" = q35 ] && mark=$W/q35.done
+    [ -f "$W/logs/start.log" ] || [ -f "$W/logs/probe_job.log" ] || [ -f "$mark" ] || { echo "wait: nothing started on this machine (a fresh one?): stage the kit and the model, then start" >&2; exit 1; }
     while [ "$(date +%s)" -lt "$end" ] && [ ! -f "$mark" ]; do sleep 5; done
     pack > /dev/null
     tail -n 30 "$W/logs/campaign.log"; cat "$W/results/times.txt" 2>/dev/null
