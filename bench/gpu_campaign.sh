@@ -419,7 +419,8 @@ case "${1:-}" in
   start)  # carry .gpu-data (the games archive, the expert trajectories): copied before the call ends; needs `install` run here
     [ "$DRY" = 1 ] || [ -f "$W/logs/install.log" ] || { log "start: no kit installed or installing on this machine: stage .gpu-kit/c01 ... c07, then install"; exit 1; }
     [ "$DRY" = 1 ] || { mkdir -p /tmp/gpu-data && cp -r .gpu-data/. /tmp/gpu-data/; }
-    cp "$0" "$W/campaign.sh"; ALFRL_REPO=$REPO setsid nohup bash "$W/campaign.sh" _start > "$W/logs/start.log" 2>&1 < /dev/null &
+    : > "$W/logs/start.log"; cp "$0" "$W/campaign.sh"   # the log exists when this returns: `run` in the same call checks it
+    ALFRL_REPO=$REPO setsid nohup bash "$W/campaign.sh" _start >> "$W/logs/start.log" 2>&1 < /dev/null &
     log "started" ;;
   _start)
     restore_caches
@@ -453,8 +454,7 @@ print(int(c['callbacks'].get('Timer', {}).get('time_elapsed', {}).get('train', 0
     while pgrep -f "alfrl.cl[i] " > /dev/null; do sleep 3; done
     bench_lane; touch "$W/bench_lane.done"; log "bench done" ;;
   wait)  # wait N [bench|probe|q35]: until the learning job (or that part) is done or N seconds pass; then pack what there is
-    end=$(( $(date +%s) + ${2:-540} )); mark=$W/all.done; [ "${3:-}" = bench ] && mark=$W/bench_lane.done
-    [ "${3:-}" = probe ] && mark=$W/probe.done; [ "${3:-}" = q35 ] && mark=$W/q35.done
+    end=$(( $(date +%s) + ${2:-540} )); mark=$W/${3:-all}.done; [ "${3:-}" = bench ] && mark=$W/bench_lane.done   # probe, q35
     [ -f "$W/logs/start.log" ] || [ -f "$W/logs/probe_job.log" ] || [ -f "$mark" ] || { echo "wait: nothing started on this machine (a fresh one?): stage the kit and the model, then start" >&2; exit 1; }
     while [ "$(date +%s)" -lt "$end" ] && [ ! -f "$mark" ]; do sleep 5; done
     pack > /dev/null
