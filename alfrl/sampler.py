@@ -89,8 +89,9 @@ class EngineConfig:
     """vLLM: n-gram speculative decoding (prompt lookup, on the GPU): up to this many tokens per step proposed from the
     sequence's own history where its last ``speculative_ngram_min``..``speculative_ngram_max`` tokens occurred before,
     then verified by the policy in the same step; vLLM's rejection sampler keeps what is sampled distributed as without
-    speculation and the log-probs are the policy's. It shortens the trajectories that decode alone at the end of a rollout (they copy
-    their history: repeated actions, imagined observations). 0: off."""
+    speculation and the log-probs are the policy's. Meant for the trajectories that decode nearly alone at the end of a
+    rollout and repeat their history; with the LoRA served it made the engine-only ceiling 2.19x slower on the H200 (vLLM
+    then runs its V1 model runner; bench/leases/2026-12-03d.md), its rollouts are unmeasured. 0: off."""
     speculative_ngram_min: int = 2
     """vLLM: the shortest trailing n-gram looked up (vLLM's ``prompt_lookup_min``)."""
     speculative_ngram_max: int = 5
