@@ -91,9 +91,10 @@ def _apply_variant(policy, attn: str, rows: int, ckpt: bool, precision: str, ada
     policy.hparams.ppo = dataclasses.replace(policy.ppo, microbatch_tokens=rows)
 
 
-def update_phase(policy, samples, temperature: float, variants=UPDATE_VARIANTS, profile_path: str | None = None) -> dict:
+def update_phase(policy, samples, temperature: float, variants=UPDATE_VARIANTS, profile_path: str | None = None, on_run=None) -> dict:
     """One warm-up update, then one PPO update per variant (attention, row size, checkpointing) on the same samples,
-    the sampler's log-probs as old ones (the recipes'); and the first row's log-probs under sdpa and sdpa_varlen."""
+    the sampler's log-probs as old ones (the recipes'); and the first row's log-probs under sdpa and sdpa_varlen.
+    ``on_run(figures so far)`` after each run (a caller saves them: a run cut short keeps what finished)."""
     body, head = model_flops(policy)
     out = {"samples": len(samples), "sequence_tokens": sum(len(s) for s in samples), "trained_tokens": sum(s.trained_tokens for s in samples),
            "body_parameters": body, "output_layer_parameters": head, "runs": []}
@@ -149,6 +150,8 @@ def update_phase(policy, samples, temperature: float, variants=UPDATE_VARIANTS, 
         except Exception:  # noqa: BLE001 - an out-of-memory variant is a figure too
             run["error"] = traceback.format_exc(limit=4)
         out["runs"].append(run)
+        if on_run is not None:
+            on_run(out)
     if profile_path:  # one variant once more under torch.profiler: where an update's time goes
         try:
             from torch.profiler import ProfilerActivity, profile
