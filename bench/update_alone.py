@@ -4,8 +4,8 @@
         --variants varlen_rows32768_bf16_compiled varlen_rows32768_bf16_compiled_cudnn
 
 A model of the config's shape with random weights (saved to a temporary folder, loaded as the trainer loads a checkpoint),
-and synthetic samples shaped like an 8 x 8 x 20 rollout of the 1.5B recipe (64 sequences of 3,000-7,200 tokens, 16% of
-the positions sampled, in turns of 42 tokens; the sampler's log-probs those of a uniform distribution, so ratios start
+and synthetic samples shaped like an 8 x 8 x 20 rollout of the 1.5B recipe (64 sequences of 3,000-7,200 tokens; after a
+start of a quarter to a half of the shortest length, turns of 42 sampled tokens making 16% of the rest, ~13% of all; the sampler's log-probs those of a uniform distribution, so ratios start
 near 1): ``update_bench.update_phase`` on them, the JSON written after every variant (a run cut short keeps what
 finished). The figures are the update's alone: with the engine resident (a fit) memory is ~56 GiB smaller. ``--dry`` runs
 on the CPU with a small config (two layers, 256-token rows) to check the mechanics.
@@ -28,8 +28,8 @@ from update_bench import UPDATE_VARIANTS, update_phase  # noqa: E402
 
 
 def synthetic_samples(n: int, low: int, high: int, vocab: int, seed: int = 0, turn: int = 42, share: float = 0.16) -> list:
-    """``n`` sequences of ``low``..``high`` tokens; turns of ``turn`` sampled tokens make ``share`` of each (the rest
-    prompt and tool responses); advantages +1 / -1 by sequence so every trained token has a gradient."""
+    """``n`` sequences of ``low``..``high`` tokens; after a start (system prompt and task), turns of ``turn`` sampled
+    tokens make ``share`` of the rest (the others prompt and tool responses); advantages +1 / -1 by sequence so every trained token has a gradient."""
     from alfrl.types import Sample
 
     rng = random.Random(seed)
