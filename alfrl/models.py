@@ -99,7 +99,7 @@ def set_gradient_checkpointing(model, on: bool) -> None:
 
 
 COMPILED_PARTS = ("mlp", "input_layernorm", "post_attention_layernorm")
-"""What ``model.compile_layers`` compiles; ``self_attn`` as well is a benchmark variant (its per-sequence split breaks
+"""What ``model.compile_layers`` compiles; ``model.compile_attention`` adds ``self_attn`` (its per-sequence split breaks
 the graph: 19 graphs instead of 3 on a 4-layer Qwen2 on the CPU, the same log-probs and gradients)."""
 
 
@@ -112,8 +112,8 @@ def compile_layers(model, on: bool = True, parts: tuple[str, ...] = COMPILED_PAR
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
     modules = [getattr(layer, name) for layer in getattr(decoder, "layers", []) for name in parts if hasattr(layer, name)]
     if not modules:
-        raise ValueError(f"model.compile_layers: {type(model).__name__} has no decoder layers with {', '.join(parts)}: "
-                         "set model.compile_layers to false")
+        raise ValueError(f"model.compile_layers / compile_attention: {type(model).__name__} has no decoder layers with "
+                         f"{', '.join(parts)}: set them to false")
     for module in modules:
         if on and module._compiled_call_impl is None:
             module.compile(dynamic=True)

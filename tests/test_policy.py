@@ -349,8 +349,9 @@ def test_compile_layers_gives_the_same_log_probs_and_gradients_and_keeps_the_nam
     torch.manual_seed(6)
     samples = [_sample(torch.randint(0, 1000, (n,)).tolist(), n // 3, a, traj=k) for k, (n, a) in enumerate(((24, 1.0), (31, -1.0), (17, 0.5)))]
     got = {}
-    for compiled in (False, True):
-        policy = AlfrlPolicy(model_name=random_model_dir, dtype="float32", lora=LORA8, compile_layers=compiled,
+    for compiled in (False, True, "with_attention"):  # model.compile_attention: the attention block too
+        policy = AlfrlPolicy(model_name=random_model_dir, dtype="float32", lora=LORA8, compile_layers=bool(compiled),
+                             compile_attention=compiled == "with_attention",
                              ppo=PPOConfig(microbatch_tokens=48))  # rows of different lengths: dynamic shapes
         torch.manual_seed(0)
         policy.configure_model()
@@ -362,11 +363,15 @@ def test_compile_layers_gives_the_same_log_probs_and_gradients_and_keeps_the_nam
         after = {n: p.detach().clone() for n, p in policy.model.named_parameters() if "lora_" in n}
         got[compiled] = (names, stats["loss"], policy.score(samples[0].token_ids_T.tolist()), after)
         parts = [m for layer in causal_lm_of(policy.model).get_decoder().layers for m in (layer.mlp, layer.input_layernorm)]
-        assert all((m._compiled_call_impl is not None) == compiled for m in parts)
-    assert got[False][0] == got[True][0]  # parameter (and adapter) names unchanged
-    assert got[True][1] == pytest.approx(got[False][1], abs=1e-5)
-    assert got[True][2] == pytest.approx(got[False][2], abs=1e-4)
-    assert max(float((got[True][3][n] - got[False][3][n]).abs().max()) for n in got[False][3]) < 1e-5
+        assert all((m._compiled_call_impl is not None) == bool(compiled) for m in parts)
+        attention = [layer.self_attn for layer in causal_lm_of(policy.model).get_decoder().layers]
+        assert all((m._compiled_call_impl is not None) == (compiled == "with_attention") for m in attention)
+    for compiled in (True, "with_attention"):
+        assert got[False][0] == got[compiled][0]  # parameter (and adapter) names unchanged
+        assert got[compiled][1] == pytest.approx(got[False][1], abs=1e-5)
+        assert got[compiled][2] == pytest.approx(got[False][2], abs=1e-4)
+        assert max(float((got[compiled][3][n] - got[False][3][n]).abs().max()) for n in got[False][3]) < 1e-5
+    compile_layers(causal_lm_of(policy.model), on=False, parts=("self_attn",))
     assert compile_layers(causal_lm_of(policy.model), on=False) == 3 * len(causal_lm_of(policy.model).get_decoder().layers)
     assert all(m._compiled_call_impl is None for m in parts)
     # other parts (the benchmark's attention variant); compiling a compiled part again keeps its compiled callable
