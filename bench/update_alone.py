@@ -33,7 +33,7 @@ def synthetic_samples(n: int, low: int, high: int, vocab: int, seed: int = 0, tu
     tokens make ``share`` of the rest (the others prompt and tool responses); advantages +1 / -1 by sequence so every trained token has a gradient."""
     from alfrl.types import Sample
 
-    rng = random.Random(seed)
+    rng = random.Random(seed)  # one stream for tokens, lengths and turns: the samples of bench/leases/2026-12-03d.md
     samples = []
     for i in range(n):
         length = rng.randint(low, high)
@@ -106,7 +106,8 @@ def main() -> None:
         update_phase(policy, samples, 1.0, variants, on_run=save)
     save()
     for run in report["update"]["runs"]:
-        print(run["variant"], run.get("error", "").strip().splitlines()[-1:] or f"{run['seconds']:.2f} s, MFU {100 * run['mfu_6n']:.1f}%")
+        failed = run.get("error", "").strip().splitlines()[-1:]
+        print(run["variant"], failed[0] if failed else f"{run['seconds']:.2f} s, MFU {100 * run['mfu_6n']:.1f}%")
 
 
 if __name__ == "__main__":
