@@ -155,3 +155,32 @@ def load_causal_lm(model_name: str, dtype, attn_implementation: str | None = Non
         raise RuntimeError(f"{model_name}: {len(missing)} text weights were not in the checkpoint (e.g. {sorted(missing)[:3]}): "
                            "is it a vision-language checkpoint with a model.language_model.* text stack?")
     return model
+
+
+PEAK_BF16_TFLOPS = (("H200", 989.0), ("H100 PCIe", 756.0), ("H100 80GB HBM3", 989.0), ("H100 SXM", 989.0), ("A100", 312.0))
+"""NVIDIA's dense (no sparsity) bf16 tensor-core figures by device name (``torch.cuda.get_device_name``), first match;
+``train/mfu`` is logged only on these (a bf16 matmul measured 769-798 TFLOP/s on the H200 here)."""
+
+
+def peak_bf16_tflops(device_name: str) -> float | None:
+    """The device's dense bf16 peak in TFLOP/s, or None for a device not in ``PEAK_BF16_TFLOPS``."""
+    return next((tflops for key, tflops in PEAK_BF16_TFLOPS if key in device_name), None)
+
+
+def parameter_counts(model) -> tuple[float, float]:
+    """(body, output layer) parameter counts of a causal LM (or its peft wrapper) for the 6N flop count: the body (every
+    weight but the LoRA's, the input embeddings and the output layer) runs on every token, the output layer only on
+    the trained ones (the log-probs are taken there alone)."""
+    lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    head = float(lm.get_output_embeddings().weight.numel())
+    body = float(sum(p.numel() for n, p in lm.named_parameters() if "lora_" not in n and "embed_tokens" not in n and "lm_head" not in n))
+    return body, head
+
+
+def update_flops(body: float, head: float, tokens: float, trained: float, passes: int = 1, recompute: bool = False,
+                 scored: bool = False) -> float:
+    """Model flops of a PPO update, 6N: forward and backward (2 + 4 per parameter and token) over ``passes`` epochs,
+    plus a forward more with gradient checkpointing (``recompute``) and one for the trainer's old log-probs (``scored``).
+    Attention's own flops are left out (they grow with the trajectory's length; the figure is a lower bound)."""
+    per_pass = body * tokens + head * trained
+    return per_pass * (6 * passes + (2 * passes if recompute else 0) + (2 if scored else 0))

@@ -109,6 +109,7 @@ class AlfrlPolicy(L.LightningModule):
         self.guard = MemoryGuard()
         """Parameters and optimizer state must come out of each rollout and sync as the last update left them."""
         self._lora_layers: list[torch.nn.Module] | None = None
+        self._flop_counts: tuple[float, float] | None = None  # (body, output layer) parameters, for the update's flops
         self.linear_attention = None
         """The kernel chosen for linear-attention layers (alfrl.linear_attention.Choice), before the first update."""
 
@@ -328,6 +329,17 @@ class AlfrlPolicy(L.LightningModule):
         self.log_dict({k: metrics[k] for k in shown if k in metrics}, on_step=True, prog_bar=True, batch_size=1)
         return None  # step 4, the sync, is the SamplerWeightSync callback's
 
+    def _throughput(self, samples: list[Sample], old: list[torch.Tensor], seconds: float) -> dict[str, float]:
+        """The update's model TFLOP/s (6N, ``alfrl.models.update_flops``), and over the GPU's bf16 peak where it is known."""
+        from alfrl.models import parameter_counts, peak_bf16_tflops, update_flops
+
+        self._flop_counts = self._flop_counts or parameter_counts(self.model)
+        flops = update_flops(*self._flop_counts, sum(len(s) for s in samples), sum(int(o.numel()) for o in old), self.ppo.epochs,
+                             bool(self.hparams.gradient_checkpointing), self.ppo.old_logprobs == "recompute")
+        out = {"model_tflops": flops / max(seconds, 1e-9) / 1e12}
+        peak = peak_bf16_tflops(torch.cuda.get_device_name(self.device)) if self.device.type == "cuda" else None
+        return {**out, "mfu": out["model_tflops"] / peak} if peak else out
+
     def update(self, samples: list[Sample], optimizer: torch.optim.Optimizer | None = None, temperature: float = 1.0) -> dict[str, float]:
         """PPO-clip epochs over ``samples``; returns the step's statistics.
 
@@ -395,10 +407,12 @@ class AlfrlPolicy(L.LightningModule):
         n = max(tot["tokens"], 1)
         all_diffs = torch.cat(diffs) if diffs else torch.zeros(0)
         peak = torch.cuda.max_memory_allocated(self.device) / 2**30 if self.device.type == "cuda" else 0.0
+        seconds = time.perf_counter() - started  # the old log-probs (when the trainer scores them) and the update
         return {
             "prepare_seconds": prepare_seconds,
             "old_logprob_seconds": old_seconds,
-            "update_seconds": time.perf_counter() - started - old_seconds,
+            "update_seconds": seconds - old_seconds,
+            **self._throughput(samples, old, seconds),
             "sequence_tokens": float(sum(len(s) for s in samples)),
             "peak_memory_gib": peak,
             "update_added_memory_gib": peak - before,

@@ -11,7 +11,7 @@ import traceback
 
 import torch
 
-DENSE_BF16_TFLOPS = 989.0  # NVIDIA's dense bf16 figure for the H200 (a bf16 matmul measured 769-798 here)
+DENSE_BF16_TFLOPS = 989.0  # NVIDIA's dense bf16 figure for the H200 (alfrl.models.PEAK_BF16_TFLOPS)
 
 
 def timed(fn):
@@ -22,12 +22,9 @@ def timed(fn):
 
 def model_flops(policy) -> tuple[float, float]:
     """(N body parameters, output-layer parameters): the body runs on every token, the output layer on trained ones."""
-    from alfrl.logprobs import causal_lm_of
+    from alfrl.models import parameter_counts
 
-    lm = causal_lm_of(policy.model)
-    head = lm.get_output_embeddings().weight.numel()
-    body = sum(p.numel() for n, p in lm.named_parameters() if "lora_" not in n and "embed_tokens" not in n and "lm_head" not in n)
-    return float(body), float(head)
+    return parameter_counts(policy.model)
 
 
 UPDATE_VARIANTS = (  # (name, attention, micro-batch tokens, gradient checkpointing, float32 matmul precision, adapter dtype,

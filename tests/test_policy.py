@@ -7,6 +7,7 @@ import torch
 
 from alfrl.advantages import sample_of
 from alfrl.logprobs import predicted_logprobs
+from alfrl.models import parameter_counts, peak_bf16_tflops, update_flops
 from alfrl.policy import AlfrlPolicy
 from alfrl.ppo import LoRAConfig, OptimizerConfig, PPOConfig, collate, pack_microbatches
 from alfrl.types import TokenSequence
@@ -88,6 +89,28 @@ def test_one_update_raises_positive_and_lowers_negative_advantage_tokens(random_
     assert stats["trained_tokens"] == 6
     assert stats["clip_fraction"] == 0.0 and stats["ratio_mean"] == pytest.approx(1.0)  # first epoch: ratio 1
     assert stats["grad_norm"] > 0
+    # 6N over the update and 2N for the trainer's old log-probs (old_logprobs: recompute), per second of both; no MFU
+    # on a device without a known peak
+    body, head = parameter_counts(policy.model)
+    seconds = stats["old_logprob_seconds"] + stats["update_seconds"]
+    assert stats["model_tflops"] * seconds * 1e12 == pytest.approx(8 * (body * 6 * 21 + head * 6), rel=1e-3)
+    assert "mfu" not in stats
+
+
+def test_flop_counts_and_known_peaks(random_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    lm = AutoModelForCausalLM.from_pretrained(random_model_dir, dtype=torch.float32)
+    body, head = parameter_counts(lm)
+    embed = lm.get_input_embeddings().weight.numel()
+    tied = lm.get_output_embeddings().weight is lm.get_input_embeddings().weight
+    assert head == lm.get_output_embeddings().weight.numel()
+    assert body == sum(p.numel() for p in lm.parameters()) - embed - (0 if tied else head)
+    assert update_flops(10.0, 2.0, 100, 5) == 6 * (10 * 100 + 2 * 5)
+    assert update_flops(10.0, 2.0, 100, 5, passes=2, recompute=True, scored=True) == (12 + 4 + 2) * (10 * 100 + 2 * 5)
+    assert peak_bf16_tflops("NVIDIA H200") == 989.0 and peak_bf16_tflops("NVIDIA H100 PCIe") == 756.0
+    assert peak_bf16_tflops("NVIDIA H100 80GB HBM3") == 989.0 and peak_bf16_tflops("NVIDIA A100-SXM4-80GB") == 312.0
+    assert peak_bf16_tflops("NVIDIA GeForce RTX 4090") is None
 
 
 def test_sampler_old_logprobs_make_the_clip_bound_the_sampler_trainer_mismatch(random_model_dir):
