@@ -430,3 +430,30 @@ def test_the_standalone_update_benchmark_makes_rollout_shaped_samples():
         assert (s.sampler_logprobs_T[s.loss_mask_T] == float(-math.log(1000))).all() and (s.sampler_logprobs_T[~s.loss_mask_T] == 0).all()
         assert (s.advantages_T[s.loss_mask_T] == (1.0 if i % 2 == 0 else -1.0)).all() and (s.advantages_T[~s.loss_mask_T] == 0).all()
     assert [len(s) for s in mod.synthetic_samples(8, 3000, 7200, vocab=1000, seed=3)] == [len(s) for s in samples]  # seeded
+
+
+def test_compiled_attention_does_not_recompile_for_each_count_of_sequences_in_a_row(random_model_dir):
+    # sdpa_varlen's loop over a row's sequences stays out of torch.compile: with it traced, every new count of sequences
+    # in a packed row was a recompile (dynamo's limit of 16 reached in the second update of an H200 fit, 2026-12-03e)
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    policy = AlfrlPolicy(model_name=random_model_dir, dtype="float32", lora=LORA8, compile_layers=True, compile_attention=True,
+                         attn_implementation="sdpa_varlen", ppo=PPOConfig(microbatch_tokens=120))
+    policy.configure_model()
+    optimizer = torch.optim.SGD(policy.trainable_parameters(), lr=0.1)
+    torch.manual_seed(7)
+
+    def step(lengths):
+        samples = [_sample(torch.randint(0, 1000, (n,)).tolist(), n // 3, (-1.0) ** k, traj=k) for k, n in enumerate(lengths)]
+        rows = sorted(len(mb.members) for mb in policy.microbatches(samples, list(range(len(samples)))))
+        policy.update(samples, optimizer=optimizer)
+        policy.score(samples[0].token_ids_T.tolist())
+        return rows
+
+    seen = set(step((100, 50, 55, 30, 40, 45)))  # rows of 1, 2 and 3 sequences (the first update compiles)
+    compiled = counters["frames"]["total"]
+    later = step((20, 22, 24, 26, 25) * 2) + step((14, 15, 16, 13) * 4)
+    assert set(later) - seen, later  # rows with other counts of sequences ...
+    assert counters["frames"]["total"] == compiled  # ... and nothing new to compile
