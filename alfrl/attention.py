@@ -40,7 +40,7 @@ def sdpa_varlen_forward(module, query, key, value, attention_mask, dropout: floa
 
     Never traced by torch.compile (``model.compile_attention`` compiles the block around it): its loop over the row's
     sequences would make every count of sequences in a row a recompile (the H200 fit of 2026-12-03e hit dynamo's limit
-    of 16 in its second update, after 406 s of compiling), and SDPA's kernels gain nothing from it."""
+    of 16 in its second update, after 406 s of compiling); each SDPA call is one fused kernel either way."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     position_ids = kwargs.pop("position_ids", None)
