@@ -99,8 +99,8 @@ def set_gradient_checkpointing(model, on: bool) -> None:
 
 
 COMPILED_PARTS = ("mlp", "input_layernorm", "post_attention_layernorm")
-"""What ``model.compile_layers`` compiles; ``model.compile_attention`` adds ``self_attn`` (its per-sequence split breaks
-the graph: 19 graphs instead of 3 on a 4-layer Qwen2 on the CPU, the same log-probs and gradients)."""
+"""What ``model.compile_layers`` compiles; ``model.compile_attention`` adds ``self_attn`` (compiled in pieces around
+``sdpa_varlen``'s per-sequence attention, which stays out of the compile; the same log-probs and gradients)."""
 
 
 def compile_layers(model, on: bool = True, parts: tuple[str, ...] = COMPILED_PARTS) -> int:
@@ -180,7 +180,8 @@ def parameter_counts(model) -> tuple[float, float]:
 def update_flops(body: float, head: float, tokens: float, trained: float, passes: int = 1, recompute: bool = False,
                  scored: bool = False) -> float:
     """Model flops of a PPO update, 6N: forward and backward (2 + 4 per parameter and token) over ``passes`` epochs,
-    plus a forward more with gradient checkpointing (``recompute``) and one for the trainer's old log-probs (``scored``).
-    Attention's own flops are left out (they grow with the trajectory's length; the figure is a lower bound)."""
+    plus the decoder layers' forward once more with gradient checkpointing (``recompute``; the output layer is not
+    checkpointed) and a forward for the trainer's old log-probs (``scored``). Attention's own flops are left out (they
+    grow with the trajectory's length; the figure is a lower bound)."""
     per_pass = body * tokens + head * trained
-    return per_pass * (6 * passes + (2 * passes if recompute else 0) + (2 if scored else 0))
+    return per_pass * (6 * passes + (2 if scored else 0)) + (2 * passes * body * tokens if recompute else 0.0)

@@ -91,7 +91,8 @@ class EngineConfig:
     then verified by the policy in the same step; vLLM's rejection sampler keeps what is sampled distributed as without
     speculation and the log-probs are the policy's. Meant for the trajectories that decode nearly alone at the end of a
     rollout and repeat their history; with the LoRA served it made the engine-only ceiling 2.19x slower on the H200 (vLLM
-    then runs its V1 model runner; bench/leases/2026-12-03d.md), its rollouts are unmeasured. 0: off."""
+    then runs its V1 model runner; bench/leases/2026-12-03d.md) and the rollouts 31.43 / 37.32 s against 27.20 / 31.00 s
+    (fewer engine steps, each ~26 ms; bench/leases/2026-12-03e.md). 0: off."""
     speculative_ngram_min: int = 2
     """vLLM: the shortest trailing n-gram looked up (vLLM's ``prompt_lookup_min``)."""
     speculative_ngram_max: int = 5

@@ -11,7 +11,9 @@ import traceback
 
 import torch
 
-DENSE_BF16_TFLOPS = 989.0  # NVIDIA's dense bf16 figure for the H200 (alfrl.models.PEAK_BF16_TFLOPS)
+from alfrl.models import parameter_counts, peak_bf16_tflops, update_flops
+
+DENSE_BF16_TFLOPS = peak_bf16_tflops("NVIDIA H200")  # NVIDIA's dense bf16 figure (alfrl.models.PEAK_BF16_TFLOPS): 989
 
 
 def timed(fn):
@@ -22,8 +24,6 @@ def timed(fn):
 
 def model_flops(policy) -> tuple[float, float]:
     """(N body parameters, output-layer parameters): the body runs on every token, the output layer on trained ones."""
-    from alfrl.models import parameter_counts
-
     return parameter_counts(policy.model)
 
 
@@ -137,8 +137,8 @@ def update_phase(policy, samples, temperature: float, variants=UPDATE_VARIANTS, 
                 torch.cuda.synchronize()
             with _sdpa_backends(attn):
                 stats, seconds = timed(lambda: policy.update(samples, optimizer=optimizer, temperature=temperature))
-            train_flops = 6 * body * tokens + 6 * head * trained
-            recompute = 2 * body * tokens if ckpt else 0.0  # gradient checkpointing runs the forward twice
+            train_flops = update_flops(body, head, tokens, trained)
+            recompute = update_flops(body, head, tokens, trained, recompute=ckpt) - train_flops  # checkpointed layers: forward twice
             run.update({"seconds": seconds, "update_seconds": stats["update_seconds"], "peak_memory_gib": stats["peak_memory_gib"],
                         "rows": len(policy.microbatches(samples, list(range(len(samples))))),
                         "mfu_6n": train_flops / seconds / (DENSE_BF16_TFLOPS * 1e12),
