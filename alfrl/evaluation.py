@@ -265,7 +265,7 @@ def run_eval(
     todo = [g for g in games if g.id not in done]
     with open(out, "a") as f:
 
-        def write(group: TrajectoryGroup) -> None:
+        def write(_index: int, group: TrajectoryGroup) -> None:
             if group.failed is not None:
                 raise EvalError(f"game {group.game.id} could not be played: {group.failed}")
             rec = game_record(group.trajectories[0])

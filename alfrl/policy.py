@@ -27,9 +27,9 @@ import torch
 from alfrl.guard import MemoryGuard, allocate_optimizer_state
 from alfrl.linear_attention import KERNELS
 from alfrl.logprobs import causal_lm_of, predicted_logprobs, sequence_logprobs
-from alfrl.loss import ppo_clip_loss, token_weights, truncated_is_weights
 from alfrl.ppo import LoRAConfig, MicroBatch, OptimizerConfig, PPOConfig, collate, pack_microbatches
 from alfrl.types import Sample
+from alfrl.update import GroupUpdate, Totals, backward_rows, summary
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 MATMUL_PRECISIONS = ("highest", "high", "medium")
@@ -317,9 +317,22 @@ class AlfrlPolicy(L.LightningModule):
         optimizer = self.optimizers().optimizer
         if self.guard.taken is None:
             self.guard.take(self.model, optimizer)
-        batch, _, _ = next(dataloader_iter)  # steps 1-2: the rollout, its advantages and samples
+        dm = self.trainer.datamodule
+        early = self.group_update(dm) if self.ppo.update_during_rollout else None  # step 3 of each group as it finishes
+        try:
+            dm.samples_listener = early.add if early is not None else None
+            batch, _, _ = next(dataloader_iter)  # steps 1-2: the rollout, its advantages and samples
+        except BaseException:
+            if early is not None:
+                early.abort()
+            raise
+        finally:
+            dm.samples_listener = None
         self.guard.check(self.model, optimizer, "the rollout and the weight sync since the last update")
-        stats = self.update(batch.samples, temperature=batch.temperature)  # step 3
+        if early is not None:  # step 3's end: the optimizer step on the whole batch's gradient
+            stats = early.finish(batch.samples, self.optimizers().step)
+        else:  # step 3
+            stats = self.update(batch.samples, temperature=batch.temperature)
         self.guard.take(self.model, optimizer)
         stats["memory_guard_seconds"] = self.guard.seconds
         self.weight_version += 1
@@ -328,6 +341,11 @@ class AlfrlPolicy(L.LightningModule):
         self.log_dict({k: v for k, v in metrics.items() if k not in shown}, on_step=True, batch_size=1)
         self.log_dict({k: metrics[k] for k in shown if k in metrics}, on_step=True, prog_bar=True, batch_size=1)
         return None  # step 4, the sync, is the SamplerWeightSync callback's
+
+    def group_update(self, dm) -> GroupUpdate:
+        """``model.ppo.update_during_rollout``: an update fed by the rollout's finished groups (alfrl.update); on a GPU
+        with the vLLM engine in a worker thread, else inline (the hf engine generates with this very model)."""
+        return GroupUpdate(self, dm.rollout.temperature, threaded=self.device.type == "cuda" and dm.engine_cfg.kind == "vllm")
 
     def _throughput(self, samples: list[Sample], old: list[torch.Tensor], seconds: float) -> dict[str, float]:
         """The update's model TFLOP/s (6N, ``alfrl.models.update_flops``), and over the GPU's bf16 peak where it is known."""
@@ -365,8 +383,7 @@ class AlfrlPolicy(L.LightningModule):
         old = self.old_logprobs(samples, temperature)
         old_seconds = time.perf_counter() - started
         diffs: list[torch.Tensor] = []  # sampler - trainer log-probs, from the forwards before the first optimizer step
-        tot = dict(loss=0.0, tokens=0, clipped=0, dual_clipped=0, kl=0.0, ratio_sum=0.0, ratio_min=math.inf, ratio_max=-math.inf,
-                   grad_norm=0.0, steps=0)
+        tot = Totals()
         rng = random.Random(self.hparams.seed * 1_000_003 + self.weight_version)
         minibatches = self._minibatch_count(len(samples), world)
         n_optimizer_steps = ppo.epochs * minibatches
@@ -374,38 +391,19 @@ class AlfrlPolicy(L.LightningModule):
             order = list(range(len(samples)))
             rng.shuffle(order)
             for part in [order[k::minibatches] for k in range(minibatches)]:
-                tot["steps"] += 1
+                tot.steps += 1
                 n_seq, n_tok = self._global_counts(len(part), sum(int(old[i].numel()) for i in part), world)
-                rows = self.microbatches(samples, part)
-                for r, mb in enumerate(rows):
-                    logprobs = self.logprobs_of(mb, temperature)  # (N,)
-                    old_mb = torch.cat([old[i] for i in mb.members])
-                    if tot["steps"] == 1:
-                        diffs.append((mb.sampler_logprobs - logprobs.detach()).float())
-                    weights = token_weights(mb.tokens_per_sequence, ppo.loss_aggregation, n_seq, n_tok).to(self.device)
-                    is_w = truncated_is_weights(old_mb, mb.sampler_logprobs, ppo.tis_cap) if ppo.tis_cap is not None else None
-                    loss, st = ppo_clip_loss(logprobs, old_mb, mb.advantages, weights, ppo.clip_low, ppo.clip_high, is_w,
-                                             ppo.dual_clip, ppo.log_ratio_clamp)
-                    with self._gradient_sync(last=r == len(rows) - 1):
-                        self._backward(loss)
-                    tot["loss"] += float(loss.detach())
-                    for key, value in (("tokens", st.tokens), ("clipped", st.clipped), ("dual_clipped", st.dual_clipped),
-                                       ("kl", st.approx_kl_sum), ("ratio_sum", st.ratio_sum)):
-                        tot[key] += value
-                    tot["ratio_min"] = min(tot["ratio_min"], st.ratio_min)
-                    tot["ratio_max"] = max(tot["ratio_max"], st.ratio_max)
+                backward_rows(self, samples, part, old, n_seq, n_tok, temperature, tot, diffs if tot.steps == 1 else None)
                 if not part:
                     self._touch_all_parameters()
-                tot["grad_norm"] += self._clip_gradients()
+                tot.grad_norm += self._clip_gradients()
                 # the last optimizer step of a training step goes through Lightning so that
                 # global_step counts rollout+update steps; the others step the optimizer directly
-                if lightning_optimizer is not None and tot["steps"] == n_optimizer_steps:
+                if lightning_optimizer is not None and tot.steps == n_optimizer_steps:
                     lightning_optimizer.step()
                 else:
                     raw_optimizer.step()
                 raw_optimizer.zero_grad(set_to_none=True)
-        n = max(tot["tokens"], 1)
-        all_diffs = torch.cat(diffs) if diffs else torch.zeros(0)
         peak = torch.cuda.max_memory_allocated(self.device) / 2**30 if self.device.type == "cuda" else 0.0
         seconds = time.perf_counter() - started  # the old log-probs (when the trainer scores them) and the update
         return {
@@ -416,20 +414,9 @@ class AlfrlPolicy(L.LightningModule):
             "sequence_tokens": float(sum(len(s) for s in samples)),
             "peak_memory_gib": peak,
             "update_added_memory_gib": peak - before,
-            "loss": tot["loss"] / max(tot["steps"], 1),
-            "clip_fraction": tot["clipped"] / n,
-            "dual_clip_fraction": tot["dual_clipped"] / n,
-            "approx_kl": tot["kl"] / n,
-            "ratio_mean": tot["ratio_sum"] / n,
-            "ratio_min": tot["ratio_min"] if tot["tokens"] else 1.0,
-            "ratio_max": tot["ratio_max"] if tot["tokens"] else 1.0,
-            "grad_norm": tot["grad_norm"] / max(tot["steps"], 1),
             "skipped_steps": float(self.skipped_steps),
             "minibatches": float(minibatches),
-            "trained_tokens": float(sum(int(o.numel()) for o in old)),
-            "samples": float(len(samples)),
-            "sampler_minus_trainer_logprob": float(all_diffs.mean()) if all_diffs.numel() else 0.0,
-            "sampler_trainer_abs_logprob_diff": float(all_diffs.abs().mean()) if all_diffs.numel() else 0.0,
+            **summary(tot, samples, old, diffs),
         }
 
     def _minibatch_count(self, n_samples: int, world: int) -> int:

@@ -164,10 +164,11 @@ class RolloutRunner:
         group_size: int,
         seed: int,
         progress: Callable[[RolloutProgress], None] | None = None,
-        on_group: Callable[[TrajectoryGroup], None] | None = None,
+        on_group: Callable[[int, TrajectoryGroup], None] | None = None,
     ) -> list[TrajectoryGroup]:
         """Play ``group_size`` trajectories of each game; one TrajectoryGroup per game, in order.
-        ``on_group`` gets each game's group as soon as its last trajectory ended (evaluation writes it then)."""
+        ``on_group`` gets each game's index and group as soon as its last trajectory ended (evaluation writes it then;
+        ``model.ppo.update_during_rollout`` trains on it)."""
         groups = [EnvGroup.create(self.pool, game, group_size) for game in games]
         self.stats = RolloutStats()
         start = time.perf_counter()
@@ -388,7 +389,7 @@ class _Play:
         """Called once per group, when it failed to start or its last trajectory ended."""
         self.live_groups -= 1
         if self.on_group is not None:
-            self.on_group(self.finished_group(gi))
+            self.on_group(gi, self.finished_group(gi))
         self.start_groups()
 
     # -- events

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 REPO = Path(__file__).resolve().parent.parent
@@ -74,9 +75,9 @@ def test_speculative_decoding_counts_are_logged_exactly_when_it_is_on():
     assert batch_metrics([], spec, 1.0, 0, 0, speculative=True)["tokens/accepted_draft"] == 12.0
 
 
-def _fit(root: Path, data_dir: str, model: str, *extra: str) -> None:
+def _fit(root: Path, data_dir: str, model: str, *extra: str, logger: bool = False) -> None:
     cmd = [sys.executable, "-m", "alfrl.cli", "fit", "--config", "recipes/tiny.yaml", "--trainer.default_root_dir", str(root),
-           "--model.model_name", model, "--trainer.logger", "false", *extra]
+           "--model.model_name", model, *(() if logger else ("--trainer.logger", "false")), *extra]
     out = subprocess.run(cmd, cwd=REPO, env=_env(data_dir), capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
 
@@ -93,3 +94,18 @@ def test_resume_gives_the_same_lora_weights_as_an_uninterrupted_run(tmp_path, da
     assert set(resumed) == set(two)
     for k in two:
         assert (resumed[k] == two[k]).all(), k
+
+
+def test_the_update_during_the_rollout_trains_the_weights_of_the_update_after_it(tmp_path, data_dir, tiny_model_dir):
+    """model.ppo.update_during_rollout: each group's passes as it finishes (inline with the hf engine), one optimizer step."""
+    short = ("--trainer.max_steps", "1", "--data.rollout.max_episode_steps", "4")
+    after, during = tmp_path / "after", tmp_path / "during"
+    _fit(after, data_dir, tiny_model_dir, *short)
+    _fit(during, data_dir, tiny_model_dir, *short, "--model.ppo.update_during_rollout", "true", logger=True)
+    (row,) = [r for r in _metrics(during) if r.get("train/loss")]
+    assert float(row["train/groups_during_rollout"]) == 2.0  # both games' groups were trained inside the rollout
+    a, d = _adapter(after, 1), _adapter(during, 1)
+    assert any(float(v.abs().max()) > 0 for k, v in a.items() if "lora_B" in k), "the update changed nothing: the test would prove nothing"
+    assert set(a) == set(d)
+    for k in a:
+        torch.testing.assert_close(d[k], a[k], rtol=1e-4, atol=1e-8, msg=k)

@@ -1,0 +1,115 @@
+"""The update of finished groups during the rollout (alfrl.update.GroupUpdate) is the update after it."""
+
+import pytest
+import torch
+
+from alfrl.advantages import sample_of
+from alfrl.policy import AlfrlPolicy
+from alfrl.ppo import LoRAConfig, OptimizerConfig, PPOConfig
+from alfrl.types import TokenSequence
+from alfrl.update import GroupUpdate
+
+
+@pytest.fixture(scope="module")
+def random_model_dir(tmp_path_factory):
+    from alfrl.tiny import write_tiny_model
+
+    return str(write_tiny_model(tmp_path_factory.mktemp("random") / "model", seed=0, pretrain_steps=0))
+
+
+def _groups(n_groups=3, k=4, seed=5):
+    """Groups of k samples of several lengths and turns, advantages of both signs, sampler log-probs off the trainer's."""
+    gen = torch.Generator().manual_seed(seed)
+    groups = []
+    for g in range(n_groups):
+        samples = []
+        for t in range(k):
+            n = int(torch.randint(12, 40, (1,), generator=gen))
+            ids = torch.randint(0, 1000, (n,), generator=gen).tolist()
+            cut = n // 2
+            spans = ((0, 5, cut), (1, cut + 3, n))
+            logprobs = tuple(float(-torch.rand(1, generator=gen)) * 3 if i > 0 else 0.0 for i in range(n))
+            seq = TokenSequence(tuple(ids), logprobs, spans)
+            samples.append(sample_of(seq, [float(t - 1.5), 0.5 * (g - 1)], g, t))
+        groups.append(samples)
+    return groups
+
+
+def _policy(model_dir, **ppo):
+    policy = AlfrlPolicy(model_name=model_dir, dtype="float32", lora=LoRAConfig(rank=4, alpha=8), optim=OptimizerConfig(grad_clip_norm=0.0),
+                         ppo=PPOConfig(microbatch_tokens=64, **ppo))
+    torch.manual_seed(0)  # the same LoRA A in every policy
+    policy.configure_model()
+    for name, p in policy.model.named_parameters():  # B != 0, so A gets gradients too
+        if "lora_B" in name:
+            p.data.normal_(0, 0.05)
+    return policy
+
+
+def _lora(policy):
+    return {n: p.detach().clone() for n, p in policy.model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("aggregation,old,threaded", [("token_mean", "sampler", False), ("token_sum", "recompute", False),
+                                                      ("seq_mean", "sampler", True), ("token_mean", "recompute", True)])
+def test_groups_fed_one_by_one_give_the_update_of_the_whole_batch(random_model_dir, aggregation, old, threaded):
+    groups = _groups()
+    batch = [s for g in groups for s in g]
+    stats = {}
+    weights = {}
+    for mode in ("after", "during"):
+        policy = _policy(random_model_dir, loss_aggregation=aggregation, old_logprobs=old)
+        sgd = torch.optim.SGD(policy.trainable_parameters(), lr=0.5)  # a step proportional to the gradient: its scale is checked
+        if mode == "after":
+            stats[mode] = policy.update(batch, optimizer=sgd)
+        else:
+            early = GroupUpdate(policy, 1.0, threaded=threaded)
+            for g in reversed(groups):  # in the order the groups finish, not the batch's
+                early.add(g)
+            early.add([])  # a dropped group
+            stats[mode] = early.finish(batch, sgd.step)
+            assert all(p.grad is None for p in policy.trainable_parameters())
+        weights[mode] = _lora(policy)
+    before = _lora(_policy(random_model_dir))
+    assert any(not torch.equal(before[n], weights["after"][n]) for n in before), "the update changed nothing: the test would prove nothing"
+    for n in before:
+        torch.testing.assert_close(weights["during"][n], weights["after"][n], rtol=1e-5, atol=1e-7, msg=n)
+    for key in ("loss", "grad_norm", "clip_fraction", "approx_kl", "ratio_mean", "trained_tokens", "samples",
+                "sampler_minus_trainer_logprob", "sequence_tokens"):
+        assert stats["during"][key] == pytest.approx(stats["after"][key], rel=1e-5, abs=1e-9), key
+    assert stats["during"]["groups_during_rollout"] == 3.0
+    assert stats["during"]["update_during_rollout_seconds"] > 0
+    assert stats["during"]["model_tflops"] > 0
+
+
+def test_the_trained_groups_must_be_the_batch(random_model_dir):
+    groups = _groups()
+    policy = _policy(random_model_dir)
+    early = GroupUpdate(policy, 1.0, threaded=False)
+    early.add(groups[0])
+    early.add(groups[1])
+    with pytest.raises(AssertionError, match=r"trained during the rollout \(8 samples\) are not the batch's \(12 samples\)"):
+        early.finish([s for g in groups for s in g], lambda: None)
+
+
+def test_a_failure_in_the_worker_stops_the_rollout_at_the_next_group_and_the_gradients_are_dropped(random_model_dir):
+    groups = _groups()
+    bad = sample_of(TokenSequence((5, 6, 10**7, 8), (0.0, -1.0, -1.0, -1.0), ((0, 1, 4),)), [1.0], 9, 0)  # an id past the vocabulary
+    policy = _policy(random_model_dir)
+    early = GroupUpdate(policy, 1.0, threaded=True)
+    early.add(groups[0])
+    early.add([bad])
+    early.thread.join(timeout=60)  # the worker stopped at the bad group
+    with pytest.raises(RuntimeError, match="the update of finished groups failed"):
+        early.add(groups[1])
+    early.abort()
+    assert all(p.grad is None for p in policy.trainable_parameters())
+
+
+def test_more_than_one_optimizer_step_is_refused_with_the_fix(random_model_dir):
+    assert any("update_during_rollout=true needs one optimizer step per rollout, not epochs=2 x minibatches=1: set both to 1"
+               in m for m in PPOConfig(update_during_rollout=True, epochs=2).problems())
+    assert PPOConfig(update_during_rollout=True).problems() == []
+    policy = _policy(random_model_dir, minibatches=2)
+    with pytest.raises(ValueError, match="epochs 1, minibatches 1"):
+        GroupUpdate(policy, 1.0, threaded=False)
