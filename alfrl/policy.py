@@ -322,13 +322,13 @@ class AlfrlPolicy(L.LightningModule):
         try:
             dm.samples_listener = early.add if early is not None else None
             batch, _, _ = next(dataloader_iter)  # steps 1-2: the rollout, its advantages and samples
+            self.guard.check(self.model, optimizer, "the rollout and the weight sync since the last update")
         except BaseException:
-            if early is not None:
+            if early is not None:  # its worker stopped, its gradients dropped
                 early.abort()
             raise
         finally:
             dm.samples_listener = None
-        self.guard.check(self.model, optimizer, "the rollout and the weight sync since the last update")
         if early is not None:  # step 3's end: the optimizer step on the whole batch's gradient
             stats = early.finish(batch.samples, self.optimizers().step)
         else:  # step 3

@@ -175,6 +175,28 @@ def test_max_live_games_starts_the_next_game_when_one_ends(valid_games, fmt):
     assert RolloutConfig(max_live_games=-1).problems() == ["data.rollout.max_live_games=-1 must be >= 0 (0: every game at once)"]
 
 
+def test_each_finished_group_is_handed_over_with_its_index_while_the_rollout_plays(valid_games, fmt):
+    """``on_group(index, group)``: what the update of finished groups trains on during the rollout."""
+    games = valid_games[:2]
+    engine = ScriptedEngine(fmt, [["look", "inventory"], ["inventory"]])
+    cfg = RolloutConfig(max_episode_steps=2, max_trajectory_tokens=20000, max_assistant_tokens=200, max_live_games=1)
+    handed = []
+    with EnvPool(num_workers=2) as pool:
+        runner = RolloutRunner(engine, pool, fmt, cfg, RewardConfig())
+        runner.trace = []
+
+        def on_group(gi, group):
+            runner.trace.append(("group", gi, -1, -1))
+            handed.append((gi, group))
+
+        groups = runner.run(games, 2, seed=0, on_group=on_group)
+    assert [gi for gi, _ in handed] == [0, 1] and [g for _, g in handed] == groups
+    assert [g.game for g in groups] == games
+    # game 0's group was handed over before game 1 (one game at a time) asked for its first turn
+    handed_0 = runner.trace.index(("group", 0, -1, -1))
+    assert handed_0 < next(i for i, e in enumerate(runner.trace) if e[0] == "request" and e[1] == 1)
+
+
 def test_the_replay_ceiling_plays_each_trajectorys_recorded_turns_back_to_back(tmp_path):
     """bench/replay_ceiling.py on a stand-in engine that decodes one token per step: every turn's recorded prompt
     (the tokens before its sampled span) with its recorded length forced; a trajectory's next turn goes in as soon
