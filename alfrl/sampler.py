@@ -85,6 +85,11 @@ class EngineConfig:
     """vLLM: schedule the next engine step while the last one's outputs are copied back (``async_scheduling``); null:
     vLLM's (on). A diagnostic knob: on the H200 (2026-12-02) the 1.5B recipe's fits with CUDA graphs failed with it
     off as with it on (an illegal memory access on the engine's first request; bench/leases/2026-12-02h.md)."""
+    high_priority_stream: bool = False
+    """vLLM: run the engine (and the trainer's own work in that thread) on a CUDA stream of the highest priority, so that its
+    kernels are scheduled first when the update of finished groups (``model.ppo.update_during_rollout``) shares the GPU
+    from its worker's default-priority stream: beside that worker the engine's steps took 1.28-1.37x longer on the H200
+    (bench/leases/2026-12-03f.md). Not yet run on the GPU."""
     speculative_ngram_tokens: int = 0
     """vLLM: n-gram speculative decoding (prompt lookup, on the GPU): up to this many tokens per step proposed from the
     sequence's own history where its last ``speculative_ngram_min``..``speculative_ngram_max`` tokens occurred before,
@@ -154,6 +159,8 @@ class EngineConfig:
         if not 1 <= self.speculative_ngram_min <= self.speculative_ngram_max:
             out.append(f"{prefix}.speculative_ngram_min={self.speculative_ngram_min} and speculative_ngram_max="
                        f"{self.speculative_ngram_max} must satisfy 1 <= min <= max")
+        if self.high_priority_stream and self.kind != "vllm":
+            out.append(f"{prefix}.high_priority_stream=true needs {prefix}.kind: vllm (the hf engine runs no stream of its own): set it to false")
         if self.gdn_prefill_backend not in (None, "triton", "flashinfer"):
             out.append(f"{prefix}.gdn_prefill_backend={self.gdn_prefill_backend!r} is not one of triton, flashinfer (or null)")
         if self.max_batch_rows < 1:
@@ -290,6 +297,7 @@ class Sampler:
                 lora_rank=policy.lora.rank if engine.weight_sync == "lora" else None,
                 extra=engine.vllm_extra(path),
                 stop_strings=bool(rollout.stop_strings),  # evaluation's rollouts take the training ones' stop strings
+                high_priority_stream=engine.high_priority_stream,
             )
         pool = EnvPool(env.num_workers, env.step_timeout, env.reset_timeout) if with_pool else None
         return cls(sampling, pool, fmt, rollout, reward, evaluation, engine)

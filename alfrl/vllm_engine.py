@@ -117,6 +117,7 @@ class VLLMEngine:
         lora_rank: int | None = None,
         extra: dict | None = None,
         stop_strings: bool = False,
+        high_priority_stream: bool = False,
     ):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core runs in this process
         try:
@@ -162,6 +163,13 @@ class VLLMEngine:
             kwargs.update(enable_lora=True, max_lora_rank=fitting[0], max_loras=1, max_cpu_loras=2)
         self.stop_strings = stop_strings
         """Requests with stop strings stop on them in the engine (its tokenizer loaded, their tokens detokenized)."""
+        if high_priority_stream:
+            # vLLM runs (and replays its CUDA graphs) on this thread's current stream, which it tracks through its patched
+            # torch.cuda.set_stream (vllm.utils.torch_utils); set before the engine exists, it is the engine's stream.
+            # Priorities out of the device's range map to its highest.
+            import vllm.utils.torch_utils  # noqa: F401  (the patch)
+
+            torch.cuda.set_stream(torch.cuda.Stream(priority=-100))
         self.llm = vllm.LLM(
             model=model_path,
             skip_tokenizer_init=not stop_strings,
