@@ -29,7 +29,7 @@ from alfrl.linear_attention import KERNELS
 from alfrl.logprobs import causal_lm_of, predicted_logprobs, sequence_logprobs
 from alfrl.ppo import LoRAConfig, MicroBatch, OptimizerConfig, PPOConfig, collate, pack_microbatches
 from alfrl.types import Sample
-from alfrl.update import GroupUpdate, Totals, backward_rows, summary
+from alfrl.update import GroupUpdate, Totals, UpdateStart, backward_rows, summary
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 MATMUL_PRECISIONS = ("highest", "high", "medium")
@@ -370,15 +370,7 @@ class AlfrlPolicy(L.LightningModule):
         lightning_optimizer = self.optimizers() if optimizer is None else None
         raw_optimizer = lightning_optimizer.optimizer if lightning_optimizer is not None else optimizer
         world = self.trainer.world_size if attached else 1
-        prepare_started = time.perf_counter()
-        self.prepare_training()  # before the first update: the linear-attention kernel's choice (a GPU check for Qwen3.5)
-        prepare_seconds = time.perf_counter() - prepare_started
-        # torch's counts include a sleeping vLLM engine's memory pool (its pages unmapped, its blocks still counted:
-        # 2026-12-01, 123.45 GiB of which ~106 GiB were the asleep engine's), so the update's own share is the
-        # peak over what was allocated when it began
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
-        before = torch.cuda.memory_allocated(self.device) / 2**30 if self.device.type == "cuda" else 0.0
+        start = UpdateStart(self)  # prepared, memory marked
         started = time.perf_counter()
         old = self.old_logprobs(samples, temperature)
         old_seconds = time.perf_counter() - started
@@ -404,16 +396,14 @@ class AlfrlPolicy(L.LightningModule):
                 else:
                     raw_optimizer.step()
                 raw_optimizer.zero_grad(set_to_none=True)
-        peak = torch.cuda.max_memory_allocated(self.device) / 2**30 if self.device.type == "cuda" else 0.0
         seconds = time.perf_counter() - started  # the old log-probs (when the trainer scores them) and the update
         return {
-            "prepare_seconds": prepare_seconds,
+            "prepare_seconds": start.prepare_seconds,
             "old_logprob_seconds": old_seconds,
             "update_seconds": seconds - old_seconds,
             **self._throughput(samples, old, seconds),
             "sequence_tokens": float(sum(len(s) for s in samples)),
-            "peak_memory_gib": peak,
-            "update_added_memory_gib": peak - before,
+            **start.memory(),
             "skipped_steps": float(self.skipped_steps),
             "minibatches": float(minibatches),
             **summary(tot, samples, old, diffs),

@@ -105,6 +105,26 @@ def summary(totals: Totals, samples: list[Sample], old: list[torch.Tensor], diff
     }
 
 
+class UpdateStart:
+    """An update's start: the trainer prepared (its seconds) and the GPU's memory marked. torch's counts include a sleeping
+    vLLM engine's memory pool (its pages unmapped, its blocks still counted: 2026-12-01, 123.45 GiB of which ~106 GiB were
+    the asleep engine's), so the update's own share is the peak over what was allocated when it began."""
+
+    def __init__(self, policy):
+        self.device = policy.device
+        started = time.perf_counter()
+        policy.prepare_training()  # before the first update: the linear-attention kernel's choice (a GPU check for Qwen3.5)
+        self.prepare_seconds = time.perf_counter() - started
+        self.cuda = self.device.type == "cuda"
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self.memory_before = torch.cuda.memory_allocated(self.device) / 2**30 if self.cuda else 0.0
+
+    def memory(self) -> dict[str, float]:
+        peak = torch.cuda.max_memory_allocated(self.device) / 2**30 if self.cuda else 0.0
+        return {"peak_memory_gib": peak, "update_added_memory_gib": peak - self.memory_before}
+
+
 def _key(s: Sample) -> tuple[int, int, int]:
     return s.group, s.trajectory, len(s)
 
@@ -122,13 +142,8 @@ class GroupUpdate:
             raise ValueError(f"model.ppo.update_during_rollout runs on one device, not {world}: set it false for multi-device runs")
         self.policy = policy
         self.temperature = temperature
-        prepared = time.perf_counter()
-        policy.prepare_training()
-        self.prepare_seconds = time.perf_counter() - prepared
-        self.cuda = policy.device.type == "cuda"
-        if self.cuda:
-            torch.cuda.reset_peak_memory_stats(policy.device)
-        self.memory_before = torch.cuda.memory_allocated(policy.device) / 2**30 if self.cuda else 0.0
+        self.start = UpdateStart(policy)
+        self.cuda = self.start.cuda
         self.totals = Totals(steps=1)
         self.diffs: list[torch.Tensor] = []
         self.samples: list[Sample] = []
@@ -223,7 +238,8 @@ class GroupUpdate:
                                  f"({len(batch)} samples): a bug in alfrl; set model.ppo.update_during_rollout false")
         n_tok = float(max(sum(int(o.numel()) for o in self.old), 1))
         n_seq = float(max(len(self.samples), 1))
-        scale = 1.0 / (n_tok if policy.ppo.loss_aggregation == "token_mean" else n_seq)
+        # the weight token_weights gives a one-token sequence: its normalizer for the whole batch (1 / n_tok or 1 / n_seq)
+        scale = float(token_weights([1], policy.ppo.loss_aggregation, n_seq, n_tok)[0])
         with torch.no_grad():
             for p in policy.trainable_parameters():
                 if p.grad is not None:
@@ -233,9 +249,8 @@ class GroupUpdate:
         step()
         self._drop_gradients()
         seconds = time.perf_counter() - started
-        peak = torch.cuda.max_memory_allocated(policy.device) / 2**30 if self.cuda else 0.0
         return {
-            "prepare_seconds": self.prepare_seconds,
+            "prepare_seconds": self.start.prepare_seconds,
             "old_logprob_seconds": self.old_seconds,
             "update_seconds": seconds,
             "update_wait_seconds": waited,
@@ -243,8 +258,7 @@ class GroupUpdate:
             "groups_during_rollout": float(self.groups),
             **policy._throughput(self.samples, self.old, self.busy_seconds + seconds - waited),
             "sequence_tokens": float(sum(len(s) for s in self.samples)),
-            "peak_memory_gib": peak,
-            "update_added_memory_gib": peak - self.memory_before,
+            **self.start.memory(),
             "skipped_steps": float(policy.skipped_steps),
             "minibatches": 1.0,
             **summary(self.totals, self.samples, self.old, self.diffs),
