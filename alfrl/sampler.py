@@ -89,7 +89,8 @@ class EngineConfig:
     """vLLM: run the engine (and the trainer's own work in that thread) on a CUDA stream of the highest priority, so that its
     kernels are scheduled first when the update of finished groups (``model.ppo.update_during_rollout``) shares the GPU
     from its worker's default-priority stream: beside that worker the engine's steps took 1.28-1.37x longer on the H200
-    (bench/leases/2026-12-03f.md). Not yet run on the GPU."""
+    (bench/leases/2026-12-03f.md). Run on the H200 since: no faster (the engine's steps beside the worker as slow as on its default stream;
+    mean step 39.29 s against 35.15 s, 6 + 6 updates, not paired; bench/leases/2026-12-03g.md), so off in every recipe."""
     speculative_ngram_tokens: int = 0
     """vLLM: n-gram speculative decoding (prompt lookup, on the GPU): up to this many tokens per step proposed from the
     sequence's own history where its last ``speculative_ngram_min``..``speculative_ngram_max`` tokens occurred before,

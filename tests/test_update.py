@@ -35,9 +35,10 @@ def _groups(n_groups=3, k=4, seed=5):
     return groups
 
 
-def _policy(model_dir, **ppo):
+def _policy(model_dir, compiled=False, **ppo):
     policy = AlfrlPolicy(model_name=model_dir, dtype="float32", lora=LoRAConfig(rank=4, alpha=8), optim=OptimizerConfig(grad_clip_norm=0.0),
-                         ppo=PPOConfig(microbatch_tokens=64, **ppo))
+                         ppo=PPOConfig(microbatch_tokens=64, **ppo), compile_layers=compiled, compile_attention=compiled,
+                         attn_implementation="sdpa_varlen" if compiled else "sdpa")
     torch.manual_seed(0)  # the same LoRA A in every policy
     policy.configure_model()
     for name, p in policy.model.named_parameters():  # B != 0, so A gets gradients too
@@ -113,3 +114,25 @@ def test_more_than_one_optimizer_step_is_refused_with_the_fix(random_model_dir):
     policy = _policy(random_model_dir, minibatches=2)
     with pytest.raises(ValueError, match="epochs 1, minibatches 1"):
         GroupUpdate(policy, 1.0, threaded=False)
+
+
+def test_compiled_layers_compile_in_the_worker_and_give_the_update_after_the_rollout(random_model_dir):
+    # model.compile_layers + compile_attention with the update during the rollout: the worker thread runs the first
+    # compiled forward and backward passes (torch.compile from a thread that is not the main one)
+    groups = _groups()
+    batch = [s for g in groups for s in g]
+    weights = {}
+    for mode in ("during", "after"):  # the worker compiles first
+        policy = _policy(random_model_dir, compiled=True)
+        sgd = torch.optim.SGD(policy.trainable_parameters(), lr=0.5)
+        if mode == "after":
+            policy.update(batch, optimizer=sgd)
+        else:
+            early = GroupUpdate(policy, 1.0, threaded=True)
+            for g in groups:
+                early.add(g)
+            early.finish(batch, sgd.step)
+        assert any(m._compiled_call_impl is not None for m in policy.model.modules())
+        weights[mode] = _lora(policy)
+    for n in weights["after"]:
+        torch.testing.assert_close(weights["during"][n], weights["after"][n], rtol=1e-5, atol=1e-7, msg=n)
