@@ -228,6 +228,9 @@ class RolloutDataModule(L.LightningDataModule):
         metrics["rollout/engine_steps"] = float(rollout.stats.engine_steps)
         metrics["rollout/engine_step_ms"] = 1000 * rollout.stats.engine_seconds / max(rollout.stats.engine_steps, 1)
         metrics["rollout/submit_seconds"] = rollout.stats.submit_seconds
+        metrics["rollout/env_wait_seconds"] = rollout.stats.env_wait_seconds
+        if rollout.stats.group_start_seconds:  # the start-up: every group's environments reset, its first request ready
+            metrics["rollout/last_group_started_seconds"] = max(rollout.stats.group_start_seconds)
         if rollout.stats.trajectory_end_seconds:  # half the trajectories had ended by then; the rest is the tail
             metrics["rollout/half_ended_seconds"] = statistics.median(rollout.stats.trajectory_end_seconds)
         if rollout.sleep_freed_gib is not None:
@@ -265,7 +268,8 @@ class RolloutDataModule(L.LightningDataModule):
         return summarize(records)
 
     SUMMED_METRICS = ("rollout/trajectories", "rollout/failed_groups", "rollout/degenerate_groups", "rollout/dropped_groups")
-    LOCAL_METRICS = ("rollout/seconds", "rollout/engine_busy_share", "rollout/half_ended_seconds", "rollout/completion_tokens_max")
+    LOCAL_METRICS = ("rollout/seconds", "rollout/engine_busy_share", "rollout/half_ended_seconds", "rollout/completion_tokens_max",
+                     "rollout/env_wait_seconds", "rollout/last_group_started_seconds")
 
     def _reduce_metrics(self, metrics: dict[str, float], groups: list[TrajectoryGroup]) -> dict[str, float]:
         """Global metrics over all ranks: counts summed, rates weighted by each rank's trajectories

@@ -137,6 +137,9 @@ class RolloutStats:
     trajectory_end_seconds: list[float] = field(default_factory=list)
     """When each trajectory ended, seconds after the rollout started, in the order they ended: the rollout lasts as
     long as its slowest trajectory, and the median says how much of it was that tail."""
+    group_start_seconds: list[float] = field(default_factory=list)
+    """When each group's first request was ready (its K environments reset and checked), seconds after the rollout
+    started: the last one says how long the start-up kept part of the engine's batch empty."""
     engine_steps: int = 0
     """Calls of ``engine.step()``: engine_seconds / engine_steps is the time of one. How many calls one model
     forward takes under vLLM's asynchronous scheduling was not measured (the sixth H200 lease's evaluation:
@@ -414,6 +417,7 @@ class _Play:
                  for k, env_id in enumerate(group.env_ids)]
         self.lives[gi] = lives
         self.ready.append((lives[0], len(lives)))  # one request with n = K on the shared first prompt
+        self.r.stats.group_start_seconds.append(time.perf_counter() - self.started)
 
     def submit_ready(self) -> None:
         if not self.ready:

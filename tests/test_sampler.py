@@ -71,6 +71,7 @@ def test_the_stats_record_when_each_trajectory_ended_and_the_tail_shows(game, fm
     stats = runner.stats
     assert len(stats.trajectory_end_seconds) == 4 and stats.trajectory_end_seconds == sorted(stats.trajectory_end_seconds)
     assert 0 < stats.trajectory_end_seconds[-1] <= stats.seconds
+    assert len(stats.group_start_seconds) == 1 and 0 < stats.group_start_seconds[0] < stats.trajectory_end_seconds[0]  # one group's start-up
     metrics = rollout_metrics([group])
     tokens = [sum(turn.completion_tokens for turn in t.turns) for t in group.trajectories]
     assert min(tokens) > 0

@@ -52,6 +52,9 @@ def test_make_train_runs_the_tiny_recipe(tmp_path, data_dir, tiny_model_dir):
     assert float(rows[0]["train/trained_tokens"]) > 0
     # the rollout's tail: half the trajectories had ended by then; the longest trajectory's sampled tokens
     assert 0 < float(rows[0]["rollout/half_ended_seconds"]) <= float(rows[0]["rollout/seconds"])
+    # its start-up (the last group's environments reset, its first request ready) and the waits for environments
+    assert 0 < float(rows[0]["rollout/last_group_started_seconds"]) < float(rows[0]["rollout/half_ended_seconds"])
+    assert 0 <= float(rows[0]["rollout/env_wait_seconds"]) < float(rows[0]["rollout/seconds"])
     assert float(rows[0]["rollout/completion_tokens_max"]) >= float(rows[0]["rollout/completion_tokens_mean"]) > 0
     assert all(float(rows[0][k]) > 0 for k in ("train/prepare_seconds", "sync/total_seconds", "checkpoint/seconds"))
     assert float(rows[0]["sync/canary_caught"]) == 1.0  # the skipped sync was caught
