@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -24,8 +25,9 @@ def convert_gguf(model_dir: str, gguf_file: str, out_dir: str | Path, dtype: str
     src = Path(model_dir) / gguf_file
     if not src.is_file():
         raise FileNotFoundError(f"GGUF file {src} not found: pass the folder that holds it and its file name")
-    tokenizer = AutoTokenizer.from_pretrained(model_dir, gguf_file=gguf_file)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, gguf_file=gguf_file, dtype=getattr(torch, dtype))
+    with gguf_read_once():
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, gguf_file=gguf_file)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, gguf_file=gguf_file, dtype=getattr(torch, dtype))
     if getattr(model, "hf_quantizer", None) is not None:
         model.hf_quantizer.remove_quantization_config(model)  # else save_pretrained refuses ("quantized with gguf")
     tmp = out.with_name(out.name + f".converting-{os.getpid()}")
@@ -35,6 +37,42 @@ def convert_gguf(model_dir: str, gguf_file: str, out_dir: str | Path, dtype: str
     out.parent.mkdir(parents=True, exist_ok=True)
     os.replace(tmp, out)
     return out
+
+
+@contextmanager
+def gguf_read_once():
+    """Within it, transformers parses a GGUF file once and reads plain arrays.
+
+    transformers builds a ``gguf.GGUFReader`` for the config, the tokenizer and the weights, parsing the metadata (a
+    151k-token vocabulary) each time, and reads metadata and tensors through ``numpy.memmap`` slices, whose per-slice
+    subclass bookkeeping is much of the time. Here a reader is built once per file, and its metadata parts and the
+    tensors handed to ``gguf.dequantize`` are plain ndarrays (views of the same bytes, no copy). The tensors written
+    are the same (``bench/gguf_convert_bench.py`` compares them and times both ways). Both patches wrap ``gguf``'s own
+    functions and are undone on exit; where a transformers version imports them otherwise, it runs as before.
+    (Dequantizing row blocks on 2 threads gained nothing on a 2-core machine: not kept.)"""
+    import gguf
+    import numpy as np
+
+    real_reader, real_dequantize = gguf.GGUFReader, gguf.dequantize
+    readers: dict[tuple[str, str], object] = {}
+
+    def reader(path, mode="r"):
+        key = (os.path.realpath(path), mode)
+        if key not in readers:
+            r = real_reader(path, mode)
+            for field in r.fields.values():
+                field.parts[:] = [np.asarray(p) for p in field.parts]
+            readers[key] = r
+        return readers[key]
+
+    def dequantize(data, qtype):
+        return real_dequantize(np.asarray(data), qtype)
+
+    gguf.GGUFReader, gguf.dequantize = reader, dequantize
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.dequantize = real_reader, real_dequantize
 
 
 def hf_folder_for(model_name: str, gguf_file: str | None) -> str:
@@ -142,7 +180,8 @@ def load_causal_lm(model_name: str, dtype, attn_implementation: str | None = Non
             register()
         kwargs["attn_implementation"] = attn_implementation
     if gguf_file:
-        return AutoModelForCausalLM.from_pretrained(model_name, gguf_file=gguf_file, **kwargs)
+        with gguf_read_once():
+            return AutoModelForCausalLM.from_pretrained(model_name, gguf_file=gguf_file, **kwargs)
     config = AutoConfig.from_pretrained(model_name)
     text = getattr(config, "text_config", None)
     if text is None:
