@@ -91,6 +91,12 @@ class EngineConfig:
     from its worker's default-priority stream: beside that worker the engine's steps took 1.28-1.37x longer on the H200
     (bench/leases/2026-12-03f.md). Run on the H200 since: no faster (the engine's steps beside the worker as slow as on its default stream;
     mean step 39.29 s against 35.15 s, 6 + 6 updates, not paired; bench/leases/2026-12-03g.md), so off in every recipe."""
+    separate_process: bool = False
+    """vLLM: its engine core (scheduler, model runner, CUDA graphs) in a process of its own, which steps the GPU while this
+    process handles environments, outputs and the update (in this process both share one Python thread's time and the GIL:
+    on the H200 a rollout spent 11-23% of its time outside engine steps, and its steps ran 1.20x longer beside the update
+    of finished groups; bench/leases/2026-12-03g.md). The adapter reaches it as a peft folder (in /dev/shm) through
+    vLLM's ``add_lora``. Needs ``weight_sync: lora`` and no ``sleep_mode`` or ``high_priority_stream``."""
     speculative_ngram_tokens: int = 0
     """vLLM: n-gram speculative decoding (prompt lookup, on the GPU): up to this many tokens per step proposed from the
     sequence's own history where its last ``speculative_ngram_min``..``speculative_ngram_max`` tokens occurred before,
@@ -162,6 +168,13 @@ class EngineConfig:
                        f"{self.speculative_ngram_max} must satisfy 1 <= min <= max")
         if self.high_priority_stream and self.kind != "vllm":
             out.append(f"{prefix}.high_priority_stream=true needs {prefix}.kind: vllm (the hf engine runs no stream of its own): set it to false")
+        if self.separate_process:
+            needs = [f"{prefix}.kind: vllm" if self.kind != "vllm" else "", f"{prefix}.weight_sync: lora" if self.weight_sync != "lora" else "",
+                     f"{prefix}.sleep_mode: false" if self.sleep_mode else "",
+                     f"{prefix}.high_priority_stream: false" if self.high_priority_stream else ""]
+            if any(needs):
+                out.append(f"{prefix}.separate_process=true needs {', '.join(n for n in needs if n)} (the engine's model, memory "
+                           "and streams are in its own process): change those, or set it to false")
         if self.gdn_prefill_backend not in (None, "triton", "flashinfer"):
             out.append(f"{prefix}.gdn_prefill_backend={self.gdn_prefill_backend!r} is not one of triton, flashinfer (or null)")
         if self.max_batch_rows < 1:
@@ -299,6 +312,7 @@ class Sampler:
                 extra=engine.vllm_extra(path),
                 stop_strings=bool(rollout.stop_strings),  # evaluation's rollouts take the training ones' stop strings
                 high_priority_stream=engine.high_priority_stream,
+                separate_process=engine.separate_process,
             )
         pool = EnvPool(env.num_workers, env.step_timeout, env.reset_timeout) if with_pool else None
         return cls(sampling, pool, fmt, rollout, reward, evaluation, engine)

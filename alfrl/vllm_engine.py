@@ -87,6 +87,22 @@ def scored_token(out, token: int) -> float:
     return float(steps[0][token].logprob)
 
 
+def write_adapter_folder(adapter: AdapterWeights, folder: str, name=lambda n: n) -> str:
+    """``adapter`` as peft saves one (``adapter_config.json``, ``adapter_model.safetensors``, float32 as trained) in
+    ``folder``, tensor names through ``name``: what vLLM's ``add_lora`` loads in an engine of its own process."""
+    import json
+
+    from safetensors.torch import save_file
+
+    os.makedirs(folder, exist_ok=True)
+    config = {k: (sorted(v) if isinstance(v, set) else v) for k, v in adapter.config.items()}
+    with open(os.path.join(folder, "adapter_config.json"), "w") as f:
+        json.dump(config, f, default=str)
+    save_file({name(k): v.detach().to("cpu", copy=True).contiguous() for k, v in adapter.tensors.items()},
+              os.path.join(folder, "adapter_model.safetensors"))
+    return folder
+
+
 class VLLMEngine:
     """A vLLM ``LLM`` in the trainer's own process, on token prompts, with prefix caching.
 
@@ -99,6 +115,11 @@ class VLLMEngine:
     (``SamplingRequest.stop_strings``) as it samples; without, it generates on to a stop token or the length limit
     and the rollout cuts the completion afterwards (the 1.5B model writes imagined observations after its action:
     on the H200, 2026-12-02, a rollout's engine generated 74,332 tokens of which the trajectories kept 53,253).
+    With ``separate_process`` vLLM's engine core (scheduler, model runner, CUDA graphs) runs in a process of its own,
+    started by vLLM (``VLLM_ENABLE_V1_MULTIPROCESSING=1``, spawned): it steps the GPU while this process handles the
+    environments, the outputs and the update; ``submit`` / ``step`` / ``score`` are unchanged, the adapter reaches it
+    as a peft folder (``write_adapter_folder``) through vLLM's ``add_lora``. Merged-weight pushes and sleep mode reach
+    into the engine's model and memory in this process and are refused there.
     """
 
     name = "vllm"
@@ -118,8 +139,18 @@ class VLLMEngine:
         extra: dict | None = None,
         stop_strings: bool = False,
         high_priority_stream: bool = False,
+        separate_process: bool = False,
     ):
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core runs in this process
+        if separate_process and (enable_sleep_mode or high_priority_stream):
+            raise EngineError("a vLLM engine in a separate process takes no sleep mode and no high-priority stream (both act on "
+                              "this process's GPU memory and streams): set data.engine.separate_process: false or turn them off")
+        self.separate_process = separate_process
+        # the engine core in this process (0), or in one vLLM spawns (1; spawned, never forked: this process has CUDA and threads)
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if separate_process else "0"
+        if separate_process:
+            os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+        self._adapter_root: str | None = None
+        """separate_process: the folder (in /dev/shm where there is one) holding the pushed adapters' peft folders."""
         try:
             import vllm
         except ImportError as e:
@@ -196,6 +227,9 @@ class VLLMEngine:
         return name
 
     def _runner(self):
+        if self.separate_process:
+            raise EngineError("the vLLM engine runs in a separate process (data.engine.separate_process: true): its model and "
+                              "memory are not reachable from here; set it to false for merged-weight syncs or sleep mode")
         return self.llm.llm_engine.model_executor.driver_worker.worker.model_runner
 
     def sampling_params(self, r: SamplingRequest):
@@ -292,6 +326,8 @@ class VLLMEngine:
         """
         if not self.lora_enabled:
             raise EngineError("this vLLM engine was started without LoRA support: start it with lora_rank, or sync merged weights")
+        if self.separate_process:
+            return self._load_adapter_folder(adapter)
         from vllm.lora.lora_model import LoRAModel
         from vllm.lora.peft_helper import PEFTHelper
 
@@ -322,6 +358,35 @@ class VLLMEngine:
             )
         self._register(lora, f"alfrl-v{adapter.version}-{lora_id}")
         return len(served)
+
+    def _load_adapter_folder(self, adapter: AdapterWeights) -> int:
+        """separate_process: ``adapter`` as a peft folder, loaded by the engine's process through vLLM's ``add_lora`` (its
+        loader refuses a module it cannot serve), served from the next request; the adapter served before and its folder are removed."""
+        import shutil
+        import tempfile
+
+        from vllm.lora.request import LoRARequest
+
+        if self._adapter_root is None:
+            self._adapter_root = tempfile.mkdtemp(prefix="alfrl-adapters-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+        lora_id = self._next_lora_id
+        self._next_lora_id += 1
+        name = f"alfrl-v{adapter.version}-{lora_id}"
+        folder = write_adapter_folder(adapter, os.path.join(self._adapter_root, name), self.checkpoint_name)
+        request = LoRARequest(name, lora_id, lora_path=folder)
+        try:
+            loaded = self.llm.llm_engine.add_lora(request)
+        except Exception as e:  # noqa: BLE001 - vLLM's loader raises ValueError, or the engine's process died
+            raise EngineError(f"vLLM's engine process did not load the pushed adapter ({type(e).__name__}: {e}): use "
+                              "lora_target_modules vLLM serves for this model, or data.engine.separate_process: false") from None
+        if not loaded:
+            raise EngineError(f"vLLM's engine process did not load the pushed adapter {name} (add_lora returned False)")
+        previous, self._lora = self._lora, request
+        if previous is not None:
+            self.llm.llm_engine.remove_lora(previous.lora_int_id)
+            shutil.rmtree(os.path.join(self._adapter_root, previous.lora_name), ignore_errors=True)
+        self.llm.reset_prefix_cache()
+        return len(adapter.modules)
 
     def _register(self, lora, name: str) -> None:
         """Serve ``lora`` (a vLLM LoRAModel) from the next request on, in place of the adapter served so far."""
@@ -419,4 +484,11 @@ class VLLMEngine:
         return total
 
     def close(self) -> None:
-        pass
+        """A separate engine process is shut down (otherwise vLLM does it at this process's exit); pushed adapters removed."""
+        if self.separate_process and getattr(self, "llm", None) is not None:
+            self.llm.llm_engine.engine_core.shutdown()
+        if self._adapter_root is not None:
+            import shutil
+
+            shutil.rmtree(self._adapter_root, ignore_errors=True)
+            self._adapter_root = None

@@ -15,6 +15,7 @@
 #     BISECT_EXTRA_<label>="--data.engine.enforce_eager true"     recipe overrides (keys that commit knows)
 #     BISECT_ENV_<label>="-u VLLM_CACHE_ROOT VLLM_USE_V2_MODEL_RUNNER=0"   `env` arguments for its process
 #     BISECT_BENCH_<label>="--phases ceiling runners"        bench/sampler_bench.py with these arguments instead of the fit
+#     BISECT_TIMEOUT_<label>=240                                  its own limit in seconds (else BISECT_TIMEOUT)
 #   BISECT_EXTRA="..." applies to every run; BISECT_STEPS: updates per fit (2). E.g. the next lease's variants at HEAD:
 #     BISECT_EXTRA_eager="--data.engine.enforce_eager true" BISECT_EXTRA_sync="--data.engine.async_scheduling false" \
 #     BISECT_ENV_caches="-u VLLM_CACHE_ROOT -u TRITON_CACHE_DIR -u TORCHINDUCTOR_CACHE_DIR" BISECT_ENV_v1="VLLM_USE_V2_MODEL_RUNNER=0" \
@@ -47,7 +48,7 @@ fit_at() {  # fit_at COMMIT[@LABEL]: two updates of that commit's code (HEAD: th
   dir=$([ "$c" = HEAD ] && echo "$REPO" || echo "$B/code/$c")
   [ -d "$dir/alfrl" ] || { echo "$label: no code (stage .gpu-bisect/$c)" > "$B/$label.outcome"; return 1; }
   local s; s=$(date +%s)
-  local own="BISECT_EXTRA_$label" env_of="BISECT_ENV_$label"
+  local own="BISECT_EXTRA_$label" env_of="BISECT_ENV_$label" limit_of="BISECT_TIMEOUT_$label"
   read -ra extra <<< "${BISECT_EXTRA:-} ${!own:-}"
   read -ra envs <<< "${!env_of:-}"
   local bench_of="BISECT_BENCH_$label" cmd
@@ -58,7 +59,7 @@ fit_at() {  # fit_at COMMIT[@LABEL]: two updates of that commit's code (HEAD: th
     cmd=("$PY" -m alfrl.cli fit --config $RECIPE "${ARGS[@]}" --trainer.max_steps "${BISECT_STEPS:-2}" --checkpoint.save_every 0
          --trainer.default_root_dir "$B/runs/$label" --progress_bar.refresh_rate 0)
   fi
-  (cd "$dir" && env "${envs[@]}" PYTHONPATH=/tmp/site:$dir timeout -k 20 "${BISECT_TIMEOUT:-600}" "${cmd[@]}" "${extra[@]}") > "$B/$label.log" 2>&1
+  (cd "$dir" && env "${envs[@]}" PYTHONPATH=/tmp/site:$dir timeout -k 20 "${!limit_of:-${BISECT_TIMEOUT:-600}}" "${cmd[@]}" "${extra[@]}") > "$B/$label.log" 2>&1
   local rc=$?
   cp "$B/runs/$label"/csv/version_0/metrics.csv "$B/$label.metrics.csv" 2>/dev/null
   local what; what=$(grep -ao "TrainerMemoryError: .*\|NonFiniteProbeError: .*\|WeightSyncError: .*\|CUDA error: [a-z ]*\|max_steps=[0-9]*. reached\|^phase [a-z]*: .*" "$B/$label.log" | tail -1)
@@ -82,7 +83,7 @@ case "${1:-}" in
     [ "${DRY:-0}" = 1 ] || [ -f "$W/logs/start.log" ] || { echo "run: no model on this machine (a fresh one?): stage the kit and the model, then gpu_campaign.sh start" >&2; exit 1; }
     for run in "$@"; do c=${run%%@*}; [ "$c" = HEAD ] || [ -d "$B/code/$c" ] || { mkdir -p "$B/code" && cp -r ".gpu-bisect/$c" "$B/code/$c"; }; done
     cp "$0" "$B/bisect.sh"; rm -f "$B/done"
-    for v in "${!BISECT_EXTRA_@}" "${!BISECT_ENV_@}"; do export "$v"; done
+    for v in "${!BISECT_EXTRA_@}" "${!BISECT_ENV_@}" "${!BISECT_BENCH_@}" "${!BISECT_TIMEOUT_@}"; do export "$v"; done
     ALFRL_REPO=$REPO BISECT_EXTRA="${BISECT_EXTRA:-}" setsid nohup bash "$B/bisect.sh" _run "$@" > "$B/job.log" 2>&1 < /dev/null &
     echo "bisect started: $*" ;;
   _run)

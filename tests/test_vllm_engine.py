@@ -26,3 +26,133 @@ def test_a_high_priority_stream_is_the_threads_current_stream_before_the_engine_
     assert events == ["LLM"]
     assert EngineConfig(high_priority_stream=True).problems() == [
         "data.engine.high_priority_stream=true needs data.engine.kind: vllm (the hf engine runs no stream of its own): set it to false"]
+
+
+def _stand_in_vllm(monkeypatch, llm):
+    """A stand-in ``vllm`` whose LLM is ``llm(**kwargs)`` and whose LoRARequest keeps its fields."""
+    import sys
+    from dataclasses import dataclass
+    from types import ModuleType
+
+    @dataclass
+    class LoRARequest:
+        lora_name: str
+        lora_int_id: int
+        lora_path: str = ""
+
+    modules = {name: ModuleType(name) for name in ("vllm", "vllm.lora", "vllm.lora.request")}
+    modules["vllm"].LLM = llm
+    modules["vllm.lora.request"].LoRARequest = LoRARequest
+    for name, mod in modules.items():
+        monkeypatch.setitem(sys.modules, name, mod)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+
+
+def test_a_separate_process_engine_is_spawned_by_vllm_and_an_inline_one_is_not(monkeypatch):
+    """data.engine.separate_process: vLLM reads VLLM_ENABLE_V1_MULTIPROCESSING when the LLM is made; this process has CUDA."""
+    import os
+
+    import pytest
+
+    from alfrl.engines import EngineError
+    from alfrl.vllm_engine import VLLMEngine
+
+    seen = []
+    _stand_in_vllm(monkeypatch, lambda **kw: seen.append((os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"],
+                                                           os.environ.get("VLLM_WORKER_MULTIPROC_METHOD"))))
+    monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD", raising=False)
+    VLLMEngine("a-model")
+    VLLMEngine("a-model", separate_process=True)
+    assert seen == [("0", None), ("1", "spawn")]
+    for bad in (dict(enable_sleep_mode=True), dict(high_priority_stream=True)):
+        with pytest.raises(EngineError, match="separate process takes no sleep mode"):
+            VLLMEngine("a-model", separate_process=True, **bad)
+
+
+def test_an_adapter_reaches_a_separate_engine_as_a_peft_folder_and_only_the_served_one_stays(monkeypatch, tiny_model_dir):
+    """What vLLM's add_lora gets in the engine's process: a peft folder peft itself loads to the trainer's weights."""
+    import os
+
+    import pytest
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from alfrl.engines import EngineError
+    from alfrl.policy import AlfrlPolicy
+    from alfrl.ppo import LoRAConfig
+    from alfrl.vllm_engine import VLLMEngine
+
+    calls = []
+
+    class Core:
+        def shutdown(self):
+            calls.append("shutdown")
+
+    class LLMEngine:
+        engine_core = Core()
+
+        def add_lora(self, request):
+            calls.append(("add", request.lora_int_id, sorted(os.listdir(request.lora_path))))
+            return True
+
+        def remove_lora(self, lora_id):
+            calls.append(("remove", lora_id))
+
+    class LLM:
+        llm_engine = LLMEngine()
+
+        def __init__(self, **kw):
+            pass
+
+        def reset_prefix_cache(self):
+            calls.append("reset")
+
+    _stand_in_vllm(monkeypatch, LLM)
+    policy = AlfrlPolicy(model_name=tiny_model_dir, dtype="float32", lora=LoRAConfig(rank=8, alpha=16))
+    policy.configure_model()
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in policy.model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)
+    engine = VLLMEngine("a-model", lora_rank=8, separate_process=True)
+    adapter = policy.adapter_weights()
+    assert engine.load_adapter(adapter) == len(adapter.modules)
+    first = engine._lora
+    files = ["adapter_config.json", "adapter_model.safetensors"]
+    assert calls == [("add", first.lora_int_id, files), "reset"]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # peft's loading would pin memory for the GPU
+    loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32), first.lora_path)
+    mine = dict(policy.model.named_parameters())
+    theirs = {n: p for n, p in loaded.named_parameters() if "lora_" in n}
+    assert theirs and all(torch.equal(p, mine[n]) for n, p in theirs.items())
+
+    calls.clear()
+    engine.load_adapter(policy.adapter_weights())
+    second = engine._lora
+    engine.load_adapter(policy.adapter_weights())
+    assert calls[:3] == [("add", second.lora_int_id, files), ("remove", first.lora_int_id), "reset"]
+    assert os.listdir(engine._adapter_root) == [engine._lora.lora_name]  # the served one's folder (vLLM may read it again)
+
+    def refuse(request):
+        raise ValueError("While loading x, expected target modules in [...] but received ['lm_head']")
+
+    monkeypatch.setattr(LLMEngine, "add_lora", lambda self, request: refuse(request))
+    with pytest.raises(EngineError, match=r"did not load the pushed adapter \(ValueError: While loading") as e:
+        engine.load_adapter(policy.adapter_weights())
+    assert "\n" not in str(e.value)
+    with pytest.raises(EngineError, match="separate process .* not reachable"):
+        engine.update_weights([])
+    root = engine._adapter_root
+    engine.close()
+    assert calls[-1] == "shutdown" and not os.path.exists(root)
+
+
+def test_a_separate_engine_process_needs_what_it_can_take():
+    from alfrl.sampler import EngineConfig
+
+    assert EngineConfig(kind="vllm", separate_process=True).problems() == []
+    assert EngineConfig(kind="vllm", separate_process=True, weight_sync="merged", sleep_mode=True).problems() == [
+        "data.engine.separate_process=true needs data.engine.weight_sync: lora, data.engine.sleep_mode: false (the engine's "
+        "model, memory and streams are in its own process): change those, or set it to false"]
+    assert EngineConfig(separate_process=True).problems()[0].startswith("data.engine.separate_process=true needs data.engine.kind: vllm")
