@@ -96,7 +96,9 @@ class EngineConfig:
     process handles environments, outputs and the update (in this process both share one Python thread's time and the GIL:
     on the H200 a rollout spent 11-23% of its time outside engine steps, and its steps ran 1.20x longer beside the update
     of finished groups; bench/leases/2026-12-03g.md). The adapter reaches it as a peft folder (in /dev/shm) through
-    vLLM's ``add_lora``. Needs ``weight_sync: lora`` and no ``sleep_mode`` or ``high_priority_stream``."""
+    vLLM's ``add_lora``. Needs ``weight_sync: lora`` and no ``sleep_mode`` or ``high_priority_stream``. On the H200 its rollouts
+    generated 1.28x / 1.18x more tokens a second than in-process (20.05 / 24.96 s against 25.22 / 29.24 s, not pairs), the
+    same turns replayed by the engine alone 1.13x slower (bench/leases/2026-12-03h.md); no fit has run with it yet."""
     speculative_ngram_tokens: int = 0
     """vLLM: n-gram speculative decoding (prompt lookup, on the GPU): up to this many tokens per step proposed from the
     sequence's own history where its last ``speculative_ngram_min``..``speculative_ngram_max`` tokens occurred before,
