@@ -4,8 +4,9 @@ One small interface (``Engine``), two real implementations:
 
 - ``HFEngine`` runs transformers ``generate`` on the live policy module (CPU or GPU), batched with left
   padding; it needs no weight copy, the policy *is* its model.
-- ``VLLMEngine`` (``alfrl.vllm_engine``) runs a vLLM ``LLM`` in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) on token
-  prompts with prefix caching; ``update_weights`` loads new weights into the running model.
+- ``VLLMEngine`` (``alfrl.vllm_engine``) runs a vLLM ``LLM`` in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``; with
+  ``data.engine.separate_process`` vLLM's engine core runs in a process of its own) on token prompts with prefix caching;
+  ``update_weights`` loads new weights into the running model.
 
 The engine never sees text. The log-probability of a sampled token is that of the distribution it
 was drawn from: softmax(logits / T) at the request's temperature T (vLLM's ``processed_logprobs``),
@@ -14,7 +15,7 @@ which is what the trainer computes with the same T. ``score`` gives teacher-forc
 Weights reach a sampler that holds its own copy in one of two ways (``data.engine.weight_sync``):
 
 - ``lora`` (the default): the trainer's LoRA adapter itself, unmerged, in memory (vLLM's LoRA support;
-  no file is written). The sampler then runs exactly the trainer's computation: base + (alpha/r) B A.
+  no file is written; an engine in its own process reads it from a peft folder in /dev/shm). The sampler then runs exactly the trainer's computation: base + (alpha/r) B A.
 - ``merged``: base + (alpha/r) B A merged into every adapted weight, cast to the model dtype. Faster to
   decode, but in bf16 most of a small update is rounded away (W is on the bf16 grid, dW is below half
   a step of it): the sampler then plays a policy the trainer never had.

@@ -128,7 +128,7 @@ class RolloutStats:
 
     seconds: float = 0.0
     engine_seconds: float = 0.0
-    """Inside engine steps (the GPU's share of the rollout, for vLLM)."""
+    """Inside engine steps (the GPU's share of the rollout, for vLLM; with its core in a process of its own, waiting for its outputs)."""
     env_wait_seconds: float = 0.0
     """Blocked waiting for environments with nothing to generate."""
     submit_seconds: float = 0.0
