@@ -53,6 +53,7 @@ eval: setup data tiny-model
 bench: setup data
 	$(PY) bench/env_throughput.py --out bench/out/env_throughput.json
 	$(PY) bench/env_throughput.py --compare-reset --workers 2 --rounds 3 --out bench/out/env_reset.json
+	$(PY) bench/env_throughput.py --compare-step --workers 2 --rounds 3 --out bench/out/env_step.json
 
 clean:
 	rm -rf runs lightning_logs .pytest_cache

@@ -75,7 +75,7 @@ def _state_of(game_state, done: bool) -> tuple:
     return (game_state.feedback, admissible, won, bool(done) or won)
 
 
-def _worker_main(fd: int, fast_reset: bool = True) -> None:
+def _worker_main(fd: int, fast_reset: bool = True, fast_step: bool = True) -> None:
     """Serve environment commands on the socket ``fd`` until the parent closes it."""
     import textworld
     from alfworld.agents.environment.alfred_tw_env import AlfredDemangler, AlfredInfos
@@ -84,6 +84,10 @@ def _worker_main(fd: int, fast_reset: bool = True) -> None:
         from alfrl.fast_reset import enable_fast_reset
 
         enable_fast_reset()
+    if fast_step:
+        from alfrl.fast_step import enable_fast_step
+
+        enable_fast_step()
 
     conn = mpc.Connection(fd)
     infos = textworld.EnvInfos(won=True, admissible_commands=True, extras=["gamefile"])
@@ -168,10 +172,12 @@ class EnvPool:
     """
 
     def __init__(self, num_workers: int | None = None, step_timeout: float = 60.0, reset_timeout: float = 180.0,
-                 fast_reset: bool = True):
+                 fast_reset: bool = True, fast_step: bool = True):
         self.num_workers = num_workers or os.cpu_count() or 1
         self.fast_reset = fast_reset
         """Workers translate each game once per reset instead of four times (``alfrl.fast_reset``)."""
+        self.fast_step = fast_step
+        """Workers parse TextWorld's text grammar once per string and copy its contexts shallow (``alfrl.fast_step``)."""
         self.step_timeout = step_timeout
         self.reset_timeout = reset_timeout
         self._workers: list[_Worker] = [self._start_worker() for _ in range(self.num_workers)]
@@ -194,8 +200,9 @@ class EnvPool:
         package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
         process = subprocess.Popen(
-            [sys.executable, "-c", "import sys; from alfrl.envs import _worker_main; _worker_main(int(sys.argv[1]), sys.argv[2] == '1')",
-             str(child.fileno()), "1" if self.fast_reset else "0"],
+            [sys.executable, "-c", "import sys; from alfrl.envs import _worker_main; "
+             "_worker_main(int(sys.argv[1]), sys.argv[2] == '1', sys.argv[3] == '1')",
+             str(child.fileno()), "1" if self.fast_reset else "0", "1" if self.fast_step else "0"],
             pass_fds=[child.fileno()],
             stdin=subprocess.DEVNULL,
             env=env,

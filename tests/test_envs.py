@@ -78,19 +78,20 @@ def test_mismatched_group_start_is_caught(pool, valid_games):
 
 
 def test_a_worker_killed_during_a_command_fails_that_env_only_and_the_others_are_replayed(valid_games):
-    import threading
-
     game = valid_games[0]
     walkthrough = game.walkthrough()
     with EnvPool(num_workers=1, step_timeout=20) as pool:
         group = EnvGroup.create(pool, game, 2)  # both on the single worker
         group.reset()
         group.step([walkthrough[0], walkthrough[0]])
-        late = pool.create(game.path)  # its reset (about a second) is in flight when the worker is killed
-        pid = pool.worker_pid_of(late)
-        threading.Timer(0.3, os.kill, (pid, signal.SIGKILL)).start()
-        (result,) = pool.run([EnvOp(late, "reset")])
-        assert isinstance(result, EnvFailure) and "died" in result.reason
+        late = pool.create(game.path)
+        (ticket,) = pool.submit([EnvOp(late, "reset")])
+        os.kill(pool.worker_pid_of(late), signal.SIGKILL)  # its reset is in flight (sent, not answered)
+        results = []
+        while not results:
+            results = pool.poll(1.0)
+        ((answered, result),) = results
+        assert answered == ticket and isinstance(result, EnvFailure) and "died" in result.reason
         assert pool.restarts == 1
         states = group.step([walkthrough[1], walkthrough[1]])  # both rebuilt by replaying their first action
         for action in walkthrough[2:]:
