@@ -362,25 +362,28 @@ class VLLMEngine:
     def _load_adapter_folder(self, adapter: AdapterWeights) -> int:
         """separate_process: ``adapter`` as a peft folder, loaded by the engine's process through vLLM's ``add_lora`` (its
         loader refuses a module it cannot serve), served from the next request; the adapter served before and its folder are removed."""
+        import atexit
         import shutil
         import tempfile
 
         from vllm.lora.request import LoRARequest
 
-        if self._adapter_root is None:
+        if self._adapter_root is None:  # in memory where there is /dev/shm; removed at close, or at this process's exit
             self._adapter_root = tempfile.mkdtemp(prefix="alfrl-adapters-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+            atexit.register(shutil.rmtree, self._adapter_root, True)
         lora_id = self._next_lora_id
         self._next_lora_id += 1
         name = f"alfrl-v{adapter.version}-{lora_id}"
         folder = write_adapter_folder(adapter, os.path.join(self._adapter_root, name), self.checkpoint_name)
         request = LoRARequest(name, lora_id, lora_path=folder)
         try:
-            loaded = self.llm.llm_engine.add_lora(request)
+            loaded, why = self.llm.llm_engine.add_lora(request), "add_lora returned False"
         except Exception as e:  # noqa: BLE001 - vLLM's loader raises ValueError, or the engine's process died
-            raise EngineError(f"vLLM's engine process did not load the pushed adapter ({type(e).__name__}: {e}): use "
-                              "lora_target_modules vLLM serves for this model, or data.engine.separate_process: false") from None
+            loaded, why = False, " ".join(f"{type(e).__name__}: {e}".split())[:400]
         if not loaded:
-            raise EngineError(f"vLLM's engine process did not load the pushed adapter {name} (add_lora returned False)")
+            shutil.rmtree(folder, ignore_errors=True)
+            raise EngineError(f"vLLM's engine process did not load the pushed adapter ({why}): use lora_target_modules vLLM "
+                              "serves for this model, or data.engine.separate_process: false")
         previous, self._lora = self._lora, request
         if previous is not None:
             self.llm.llm_engine.remove_lora(previous.lora_int_id)

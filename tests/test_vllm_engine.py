@@ -131,16 +131,18 @@ def test_an_adapter_reaches_a_separate_engine_as_a_peft_folder_and_only_the_serv
     engine.load_adapter(policy.adapter_weights())
     second = engine._lora
     engine.load_adapter(policy.adapter_weights())
+    lora_id = engine._lora.lora_int_id
     assert calls[:3] == [("add", second.lora_int_id, files), ("remove", first.lora_int_id), "reset"]
     assert os.listdir(engine._adapter_root) == [engine._lora.lora_name]  # the served one's folder (vLLM may read it again)
 
     def refuse(request):
-        raise ValueError("While loading x, expected target modules in [...] but received ['lm_head']")
+        raise ValueError("While loading x, expected target modules in [...]\nbut received ['lm_head']")
 
     monkeypatch.setattr(LLMEngine, "add_lora", lambda self, request: refuse(request))
-    with pytest.raises(EngineError, match=r"did not load the pushed adapter \(ValueError: While loading") as e:
+    with pytest.raises(EngineError, match=r"did not load the pushed adapter \(ValueError: While loading .* but received") as e:
         engine.load_adapter(policy.adapter_weights())
-    assert "\n" not in str(e.value)
+    assert "\n" not in str(e.value) and engine._lora.lora_int_id == lora_id  # still serving the last one
+    assert os.listdir(engine._adapter_root) == [engine._lora.lora_name]  # the refused folder removed
     with pytest.raises(EngineError, match="separate process .* not reachable"):
         engine.update_weights([])
     root = engine._adapter_root
