@@ -133,38 +133,32 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     games = fixed_games(args.data_dir)
+    if args.compare_step and args.games == "eval":
+        games = discover_games(args.data_dir, ["valid_seen", "valid_unseen"])
+
+    def write(key: str, value) -> None:
+        report = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "processor": platform.processor()},
+                  "games": [g.id for g in games], key: value}
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(report, indent=2))
+
+    workers = min(args.workers)
     if args.compare_step:
-        workers = min(args.workers)
-        if args.games == "eval":
-            games = discover_games(args.data_dir, ["valid_seen", "valid_unseen"])
-        report = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "processor": platform.processor()},
-                  "games": [g.id for g in games],
-                  "compare_step": compare_step(games, workers, args.rounds, args.random_steps if args.games == "eval" else 0)}
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(report, indent=2))
-        r = report["compare_step"]
-        print(f"{workers} workers, {len(games)} games, {r['steps']} steps ({r['wins']} states won), best of {args.rounds}: textworld {r['steps_per_second']['textworld']:.1f}/s, "
-              f"fast {r['steps_per_second']['fast']:.1f}/s ({r['speedup']:.2f}x), same states")
-        return
-    if args.compare_reset:
-        workers = min(args.workers)
-        report = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "processor": platform.processor()},
-                  "games": [g.id for g in games], "compare_reset": compare_reset(games, workers, args.rounds)}
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(report, indent=2))
-        r = report["compare_reset"]
+        r = compare_step(games, workers, args.rounds, args.random_steps if args.games == "eval" else 0)
+        write("compare_step", r)
+        print(f"{workers} workers, {len(games)} games, {r['steps']} steps ({r['wins']} states won), best of {args.rounds}: "
+              f"textworld {r['steps_per_second']['textworld']:.1f}/s, fast {r['steps_per_second']['fast']:.1f}/s ({r['speedup']:.2f}x), same states")
+    elif args.compare_reset:
+        r = compare_reset(games, workers, args.rounds)
+        write("compare_reset", r)
         print(f"{workers} workers, {len(games)} resets, best of {args.rounds}: textworld {r['resets_per_second']['textworld']:.2f}/s, "
               f"fast {r['resets_per_second']['fast']:.2f}/s ({r['speedup']:.2f}x), same start states")
-        return
-    results = [measure(games, w) for w in args.workers]
-    report = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "processor": platform.processor()},
-              "games": [g.id for g in games], "results": results}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2))
-    for r in results:
-        print(f"{r['workers']:>3} workers: {r['steps_per_second']:7.1f} steps/s ({r['steps']} steps, {r['wins']}/{r['games']} won), "
-              f"{r['resets_per_second']:.2f} resets/s")
-
+    else:
+        results = [measure(games, w) for w in args.workers]
+        write("results", results)
+        for r in results:
+            print(f"{r['workers']:>3} workers: {r['steps_per_second']:7.1f} steps/s ({r['steps']} steps, {r['wins']}/{r['games']} won), "
+                  f"{r['resets_per_second']:.2f} resets/s")
 
 if __name__ == "__main__":
     main()
