@@ -101,6 +101,11 @@ class AdapterWeights:
     """The policy's weight version (number of updates)."""
 
     @property
+    def plain_config(self) -> dict:
+        """``config`` with its sets as sorted lists (``target_modules``): what JSON and vLLM's ``PEFTHelper`` take."""
+        return {k: (sorted(v) if isinstance(v, set) else v) for k, v in self.config.items()}
+
+    @property
     def modules(self) -> list[str]:
         """The adapted modules' names, e.g. ``model.layers.0.self_attn.q_proj``."""
         names = {k.removeprefix("base_model.model.").rsplit(".lora_", 1)[0] for k in self.tensors}

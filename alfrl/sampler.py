@@ -170,13 +170,12 @@ class EngineConfig:
                        f"{self.speculative_ngram_max} must satisfy 1 <= min <= max")
         if self.high_priority_stream and self.kind != "vllm":
             out.append(f"{prefix}.high_priority_stream=true needs {prefix}.kind: vllm (the hf engine runs no stream of its own): set it to false")
-        if self.separate_process:
-            needs = [f"{prefix}.kind: vllm" if self.kind != "vllm" else "", f"{prefix}.weight_sync: lora" if self.weight_sync != "lora" else "",
-                     f"{prefix}.sleep_mode: false" if self.sleep_mode else "",
-                     f"{prefix}.high_priority_stream: false" if self.high_priority_stream else ""]
-            if any(needs):
-                out.append(f"{prefix}.separate_process=true needs {', '.join(n for n in needs if n)} (the engine's model, memory "
-                           "and streams are in its own process): change those, or set it to false")
+        needs = [need for need, unmet in (("kind: vllm", self.kind != "vllm"), ("weight_sync: lora", self.weight_sync != "lora"),
+                                          ("sleep_mode: false", self.sleep_mode), ("high_priority_stream: false", self.high_priority_stream))
+                 if unmet]
+        if self.separate_process and needs:
+            out.append(f"{prefix}.separate_process=true needs {', '.join(f'{prefix}.{n}' for n in needs)} (the engine's model, memory "
+                       "and streams are in its own process): change those, or set it to false")
         if self.gdn_prefill_backend not in (None, "triton", "flashinfer"):
             out.append(f"{prefix}.gdn_prefill_backend={self.gdn_prefill_backend!r} is not one of triton, flashinfer (or null)")
         if self.max_batch_rows < 1:

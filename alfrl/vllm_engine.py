@@ -95,9 +95,8 @@ def write_adapter_folder(adapter: AdapterWeights, folder: str, name=lambda n: n)
     from safetensors.torch import save_file
 
     os.makedirs(folder, exist_ok=True)
-    config = {k: (sorted(v) if isinstance(v, set) else v) for k, v in adapter.config.items()}
     with open(os.path.join(folder, "adapter_config.json"), "w") as f:
-        json.dump(config, f, default=str)
+        json.dump(adapter.plain_config, f, default=str)
     save_file({name(k): v.detach().to("cpu", copy=True).contiguous() for k, v in adapter.tensors.items()},
               os.path.join(folder, "adapter_model.safetensors"))
     return folder
@@ -333,8 +332,7 @@ class VLLMEngine:
 
         workers = self._runner().lora_manager
         manager = workers._adapter_manager
-        config = {k: (sorted(v) if isinstance(v, set) else v) for k, v in adapter.config.items()}
-        helper = PEFTHelper.from_dict({**config, "vllm_max_position_embeddings": workers.max_position_embeddings})
+        helper = PEFTHelper.from_dict({**adapter.plain_config, "vllm_max_position_embeddings": workers.max_position_embeddings})
         helper.validate_legal(workers.lora_config)
         mapper = getattr(manager.model, "hf_to_vllm_mapper", None)
         lora_id = self._next_lora_id
@@ -488,7 +486,7 @@ class VLLMEngine:
 
     def close(self) -> None:
         """A separate engine process is shut down (otherwise vLLM does it at this process's exit); pushed adapters removed."""
-        if self.separate_process and getattr(self, "llm", None) is not None:
+        if self.separate_process:
             self.llm.llm_engine.engine_core.shutdown()
         if self._adapter_root is not None:
             import shutil
