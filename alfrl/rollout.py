@@ -135,15 +135,15 @@ class RolloutStats:
     """Handing requests to the engine (for vLLM: its input processing and prefix-cache hashing)."""
     requests: int = 0
     trajectory_end_seconds: list[float] = field(default_factory=list)
-    """When each trajectory ended, seconds after the rollout started, in the order they ended: the rollout lasts as
-    long as its slowest trajectory, and the median says how much of it was that tail."""
+    """When each trajectory ended (seconds after the rollout started), in that order: the median says how much was tail."""
     group_start_seconds: list[float] = field(default_factory=list)
     """When each group's first request was ready (its K environments reset and checked), seconds after the rollout
     started: the last one says how long the start-up kept part of the engine's batch empty."""
     engine_steps: int = 0
-    """Calls of ``engine.step()``: engine_seconds / engine_steps is the time of one. How many calls one model
-    forward takes under vLLM's asynchronous scheduling was not measured (the sixth H200 lease's evaluation:
-    3,292 calls against >= 2,215 forwards its longest game needed in sequence)."""
+    """Calls of ``engine.step()``: engine_seconds / engine_steps is the time of one (calls per model forward under
+    vLLM's asynchronous scheduling not measured; sixth H200 lease's evaluation: 3,292 calls, >= 2,215 forwards in sequence)."""
+    tail_engine_seconds: float = 0.0  # the engine steps (and their seconds) once half of the trajectories had ended
+    tail_engine_steps: int = 0
 
 
 class RolloutRunner:
@@ -351,8 +351,12 @@ class _Play:
             if r.engine.busy:
                 started = time.perf_counter()
                 finished = r.engine.step()
-                r.stats.engine_seconds += time.perf_counter() - started
+                spent = time.perf_counter() - started
+                r.stats.engine_seconds += spent
                 r.stats.engine_steps += 1
+                if 2 * len(r.stats.trajectory_end_seconds) >= self.total:  # half of the trajectories ended: the tail
+                    r.stats.tail_engine_seconds += spent
+                    r.stats.tail_engine_steps += 1
                 for request_id, completions in finished:
                     self.on_completions(self.request_owner.pop(request_id), completions)
             if self.rounds and self.held and not r.engine.busy:

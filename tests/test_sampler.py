@@ -72,6 +72,8 @@ def test_the_stats_record_when_each_trajectory_ended_and_the_tail_shows(game, fm
     assert len(stats.trajectory_end_seconds) == 4 and stats.trajectory_end_seconds == sorted(stats.trajectory_end_seconds)
     assert 0 < stats.trajectory_end_seconds[-1] <= stats.seconds
     assert len(stats.group_start_seconds) == 1 and 0 < stats.group_start_seconds[0] < stats.trajectory_end_seconds[0]  # one group's start-up
+    # the tail: the engine steps once two of the four had ended, all spent on the slow one's 1 s turns (4+ of them left)
+    assert 0 < stats.tail_engine_steps < stats.engine_steps and 2.0 < stats.tail_engine_seconds <= stats.engine_seconds
     metrics = rollout_metrics([group])
     tokens = [sum(turn.completion_tokens for turn in t.turns) for t in group.trajectories]
     assert min(tokens) > 0

@@ -52,6 +52,7 @@ def test_make_train_runs_the_tiny_recipe(tmp_path, data_dir, tiny_model_dir):
     assert float(rows[0]["train/trained_tokens"]) > 0
     # the rollout's tail: half the trajectories had ended by then; the longest trajectory's sampled tokens
     assert 0 < float(rows[0]["rollout/half_ended_seconds"]) <= float(rows[0]["rollout/seconds"])
+    assert 0 < float(rows[0]["rollout/tail_steps"]) < float(rows[0]["rollout/engine_steps"]) and float(rows[0]["rollout/tail_step_ms"]) > 0
     # its start-up (the last group's environments reset, its first request ready) and the waits for environments
     assert 0 < float(rows[0]["rollout/last_group_started_seconds"]) < float(rows[0]["rollout/half_ended_seconds"])
     assert 0 <= float(rows[0]["rollout/env_wait_seconds"]) < float(rows[0]["rollout/seconds"])
