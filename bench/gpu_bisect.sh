@@ -16,6 +16,9 @@
 #     BISECT_ENV_<label>="-u VLLM_CACHE_ROOT VLLM_USE_V2_MODEL_RUNNER=0"   `env` arguments for its process
 #     BISECT_BENCH_<label>="--phases ceiling runners"        bench/sampler_bench.py with these arguments instead of the fit
 #     BISECT_TIMEOUT_<label>=240                                  its own limit in seconds (else BISECT_TIMEOUT)
+#     BISECT_MPS_<label>=1   under a CUDA MPS daemon of its own (started before, stopped after): the kernels of the trainer's
+#                            process and vLLM's engine core process (`data.engine.separate_process`) run side by side
+#                            instead of by time slices; its control log kept as <label>.mps.log
 #   BISECT_EXTRA="..." applies to every run; BISECT_STEPS: updates per fit (2). E.g. the next lease's variants at HEAD:
 #     BISECT_EXTRA_eager="--data.engine.enforce_eager true" BISECT_EXTRA_sync="--data.engine.async_scheduling false" \
 #     BISECT_ENV_caches="-u VLLM_CACHE_ROOT -u TRITON_CACHE_DIR -u TORCHINDUCTOR_CACHE_DIR" BISECT_ENV_v1="VLLM_USE_V2_MODEL_RUNNER=0" \
@@ -51,6 +54,14 @@ fit_at() {  # fit_at COMMIT[@LABEL]: two updates of that commit's code (HEAD: th
   local own="BISECT_EXTRA_$label" env_of="BISECT_ENV_$label" limit_of="BISECT_TIMEOUT_$label"
   read -ra extra <<< "${BISECT_EXTRA:-} ${!own:-}"
   read -ra envs <<< "${!env_of:-}"
+  local mps_of="BISECT_MPS_$label" mps=""
+  if [ "${!mps_of:-0}" = 1 ]; then  # this run's own MPS daemon; its clients (the trainer, vLLM's core) find it by the pipe folder
+    mps=$B/mps-$label; mkdir -p "$mps"
+    command -v nvidia-cuda-mps-control > /dev/null || { echo "$label: not run: no nvidia-cuda-mps-control on this machine" > "$B/$label.outcome"; return 1; }
+    CUDA_MPS_PIPE_DIRECTORY=$mps CUDA_MPS_LOG_DIRECTORY=$mps nvidia-cuda-mps-control -d \
+      || { echo "$label: not run: the MPS daemon did not start" > "$B/$label.outcome"; return 1; }
+    envs+=("CUDA_MPS_PIPE_DIRECTORY=$mps" "CUDA_MPS_LOG_DIRECTORY=$mps")
+  fi
   local bench_of="BISECT_BENCH_$label" cmd
   if [ -n "${!bench_of:-}" ]; then  # bench/sampler_bench.py with these arguments instead of a fit; the overrides after `--`
     read -ra bargs <<< "${!bench_of}"
@@ -61,6 +72,9 @@ fit_at() {  # fit_at COMMIT[@LABEL]: two updates of that commit's code (HEAD: th
   fi
   (cd "$dir" && env "${envs[@]}" PYTHONPATH=/tmp/site:$dir timeout -k 20 "${!limit_of:-${BISECT_TIMEOUT:-600}}" "${cmd[@]}" "${extra[@]}") > "$B/$label.log" 2>&1
   local rc=$?
+  if [ -n "$mps" ]; then  # stopped before the next run, which must not find it
+    echo quit | CUDA_MPS_PIPE_DIRECTORY=$mps nvidia-cuda-mps-control; sleep 2; cp "$mps/control.log" "$B/$label.mps.log" 2>/dev/null
+  fi
   cp "$B/runs/$label"/csv/version_0/metrics.csv "$B/$label.metrics.csv" 2>/dev/null
   local what; what=$(grep -ao "TrainerMemoryError: .*\|NonFiniteProbeError: .*\|WeightSyncError: .*\|CUDA error: [a-z ]*\|max_steps=[0-9]*. reached\|^phase [a-z]*: .*" "$B/$label.log" | tail -1)
   [ -f "$B/$label.json" ] && what="$what $("$PY" -c 'import json,sys; r=json.load(open(sys.argv[1]))["phases"]
@@ -83,7 +97,7 @@ case "${1:-}" in
     [ "${DRY:-0}" = 1 ] || [ -f "$W/logs/start.log" ] || { echo "run: no model on this machine (a fresh one?): stage the kit and the model, then gpu_campaign.sh start" >&2; exit 1; }
     for run in "$@"; do c=${run%%@*}; [ "$c" = HEAD ] || [ -d "$B/code/$c" ] || { mkdir -p "$B/code" && cp -r ".gpu-bisect/$c" "$B/code/$c"; }; done
     cp "$0" "$B/bisect.sh"; rm -f "$B/done"
-    for v in "${!BISECT_EXTRA_@}" "${!BISECT_ENV_@}" "${!BISECT_BENCH_@}" "${!BISECT_TIMEOUT_@}"; do export "$v"; done
+    for v in "${!BISECT_EXTRA_@}" "${!BISECT_ENV_@}" "${!BISECT_BENCH_@}" "${!BISECT_TIMEOUT_@}" "${!BISECT_MPS_@}"; do export "$v"; done
     ALFRL_REPO=$REPO BISECT_EXTRA="${BISECT_EXTRA:-}" setsid nohup bash "$B/bisect.sh" _run "$@" > "$B/job.log" 2>&1 < /dev/null &
     echo "bisect started: $*" ;;
   _run)

@@ -107,7 +107,7 @@ else
   MODEL=()
   EXPERT=$W/expert_qwen15b.jsonl       # from .gpu-data/${EXPERT_GZ:-expert_qwen15b_all.jsonl.gz}
   SYNC=(--games 2 --phases sync -- --data.engine.gpu_memory_utilization=0.4 --data.env.num_workers=4 --trainer.logger=false)
-  MERGED=(--games 2 --phases sync -- --data.engine.weight_sync=merged --data.engine.gpu_memory_utilization=0.4 --data.env.num_workers=4 --trainer.logger=false)
+  MERGED=(--games 2 --phases sync -- --data.engine.weight_sync=merged --data.engine.separate_process=false --data.engine.gpu_memory_utilization=0.4 --data.env.num_workers=4 --trainer.logger=false)
   GRAPHS=--data.engine.enforce_eager=false   # evaluations and benchmarks with CUDA graphs (the recipe's setting again since 2026-12-03a)
   BENCH=(--phases ceiling runners update -- $GRAPHS --data.engine.gpu_memory_utilization=0.4 --data.env.num_workers=16 --trainer.logger=false)
   BENCH_OVERRIDES=(-- $GRAPHS --data.engine.gpu_memory_utilization=0.4 --data.env.num_workers=16 --trainer.logger=false)
