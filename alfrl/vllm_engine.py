@@ -1,4 +1,5 @@
-"""The vLLM engine: a vLLM ``LLM`` in the trainer's own process, on token prompts, with prefix caching.
+"""The vLLM engine: a vLLM ``LLM`` on token prompts, with prefix caching; its engine core in the trainer's process, or
+in one of its own (``separate_process``: the adapter then goes to it as a peft folder; a core that died is one EngineError).
 
 Requests are submitted and stepped (``submit`` / ``step``) so the rollout keeps the engine busy
 without a round barrier; ``generate`` waits for a batch. The trained LoRA adapter is served unmerged
@@ -10,6 +11,7 @@ and the trainer's text-stack names (``model.layers.*``) are renamed to the check
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Iterable
@@ -31,17 +33,11 @@ def keep_across_sleep(allocations: dict, kv_ranges: list[tuple[int, int]]) -> in
     ``allocations`` is vLLM's ``CuMemAllocator.pointer_to_data`` (address -> data with ``.tag`` and ``.handle``,
     the handle's second item its size), ``kv_ranges`` the (address, bytes) of the KV cache's storages. Level-1
     sleep keeps only the allocations tagged ``weights``; everything vLLM allocated while building its KV cache
-    is tagged ``kv_cache`` and comes back at wake-up as whatever the memory then holds. That includes, beside
-    the cache itself, the buffers built with it: attention metadata, and for a model whose cache blocks are
-    not vLLM's default size (Qwen3.5: 272 tokens, to fit the linear-attention state) the persistent input
-    batch. On the H200 (2026-12-02) the random Qwen3.5-4B scored 388 of 389 probe tokens as NaN right after a
-    wake-up although its KV cache had been zeroed; the Qwen2.5 models, whose input batch vLLM builds before the
-    cache (one group of its default block size), never did. These buffers were suspected (from vLLM 0.26's
-    source); ``bench/sleep_probe.py`` on a 4-layer Qwen3.5-4B then did not reproduce the NaN with them kept or
-    dropped (2 MiB of them), and the next fit scored NaN with them kept: they are not the NaN's cause (with CUDA
-    graphs the engine goes wrong with or without sleep). Kept, they come back as they were (what a wake-up should
-    give); the cache pages are zeroed at wake-up. A segment that holds a cache page is never kept (it
-    would copy the whole cache).
+    is tagged ``kv_cache`` and comes back at wake-up as whatever the memory then holds: beside the cache, the
+    attention metadata and, for a model whose cache blocks are not vLLM's default size (Qwen3.5: 272 tokens), the
+    persistent input batch. Suspected (from vLLM 0.26's source) of the NaN probes after a wake-up of the random
+    Qwen3.5-4B on the H200 (2026-12-02), they were then shown not to be its cause (``bench/sleep_probe.py``; the next
+    fit scored NaN with them kept). Kept, they come back as they were; a segment holding a cache page is never kept.
     """
     kept = 0
     for address, data in allocations.items():
@@ -103,22 +99,19 @@ def write_adapter_folder(adapter: AdapterWeights, folder: str, name=lambda n: n)
 
 
 class VLLMEngine:
-    """A vLLM ``LLM`` in the trainer's own process, on token prompts, with prefix caching.
+    """A vLLM ``LLM`` on token prompts, with prefix caching.
 
-    ``model_path`` is a Hugging Face folder (or hub name) with the base weights. With ``lora_rank``
-    set, the engine serves LoRA adapters of that rank (``load_adapter``, the default sync); else the
-    trainer pushes merged weights with ``update_weights``. ``sleep()`` releases the engine's GPU
-    memory while the trainer trains (``enable_sleep_mode``); ``wake_up()`` takes it back.
-    ``extra`` goes to ``vllm.LLM`` as is (e.g. ``language_model_only``, ``additional_config``).
-    With ``stop_strings`` the engine loads the model folder's tokenizer and stops a request on its stop strings
-    (``SamplingRequest.stop_strings``) as it samples; without, it generates on to a stop token or the length limit
-    and the rollout cuts the completion afterwards (the 1.5B model writes imagined observations after its action:
-    on the H200, 2026-12-02, a rollout's engine generated 74,332 tokens of which the trajectories kept 53,253).
-    With ``separate_process`` vLLM's engine core (scheduler, model runner, CUDA graphs) runs in a process of its own,
-    started by vLLM (``VLLM_ENABLE_V1_MULTIPROCESSING=1``, spawned): it steps the GPU while this process handles the
-    environments, the outputs and the update; ``submit`` / ``step`` / ``score`` are unchanged, the adapter reaches it
-    as a peft folder (``write_adapter_folder``) through vLLM's ``add_lora``. Merged-weight pushes and sleep mode reach
-    into the engine's model and memory in this process and are refused there.
+    ``model_path`` is a Hugging Face folder (or hub name) with the base weights. With ``lora_rank`` set, the engine
+    serves LoRA adapters of that rank (``load_adapter``, the default sync); else the trainer pushes merged weights
+    (``update_weights``). ``sleep()`` / ``wake_up()`` release and take back its GPU memory (``enable_sleep_mode``).
+    ``extra`` goes to ``vllm.LLM`` as is (e.g. ``language_model_only``). With ``stop_strings`` it loads the folder's
+    tokenizer and stops a request on its stop strings as it samples; without, it generates on to a stop token or the
+    limit and the rollout cuts the completion (the 1.5B model writes imagined observations after its action: on the
+    H200, 2026-12-02, a rollout's engine generated 74,332 tokens of which the trajectories kept 53,253).
+    With ``separate_process`` vLLM's engine core (scheduler, model runner, CUDA graphs) runs in a process vLLM spawns
+    (``VLLM_ENABLE_V1_MULTIPROCESSING=1``) and steps the GPU while this one handles environments, outputs and the
+    update; ``submit`` / ``step`` / ``score`` are unchanged, the adapter goes as a peft folder (``write_adapter_folder``)
+    through vLLM's ``add_lora``; merged pushes and sleep mode reach into its model and memory and are refused.
     """
 
     name = "vllm"
@@ -148,8 +141,7 @@ class VLLMEngine:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if separate_process else "0"
         if separate_process:
             os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
-        self._adapter_root: str | None = None
-        """separate_process: the folder (in /dev/shm where there is one) holding the pushed adapters' peft folders."""
+        self._adapter_root: str | None = None  # separate_process: the folder (in /dev/shm if any) of the pushed adapters
         try:
             import vllm
         except ImportError as e:
@@ -166,8 +158,7 @@ class VLLMEngine:
         self._lora_model = None
         self._next_lora_id = 1
         self._submitted = 0
-        self.sleep_freed_gib: float | None = None
-        """GPU memory the last sleep handed back (weights offloaded, KV cache dropped)."""
+        self.sleep_freed_gib: float | None = None  # GPU memory the last sleep handed back (weights offloaded, KV cache dropped)
         self._kept_bytes = 0
         self.lora_enabled = lora_rank is not None
         kwargs = dict(extra or {})
@@ -175,8 +166,7 @@ class VLLMEngine:
         """Appended to a non-finite probe right after a wake-up (``WeightSync``): what broke this before and what ran."""
         self.fault_hint = fault_hint(self.lora_enabled, enforce_eager, kwargs)
         """Appended when the engine fails scoring the sync's probe (``WeightSync``): what broke this before and what ran."""
-        self.vision_language = bool(kwargs.get("language_model_only"))
-        """The checkpoint is a vision-language model: trainer names get its text-stack prefix."""
+        self.vision_language = bool(kwargs.get("language_model_only"))  # trainer names get the checkpoint's text-stack prefix
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
@@ -191,12 +181,10 @@ class VLLMEngine:
                 raise EngineError(f"vLLM serves LoRA ranks up to {VLLM_LORA_RANKS[-1]}; model.lora_rank={lora_rank}: "
                                   "lower it or set data.engine.weight_sync: merged")
             kwargs.update(enable_lora=True, max_lora_rank=fitting[0], max_loras=1, max_cpu_loras=2)
-        self.stop_strings = stop_strings
-        """Requests with stop strings stop on them in the engine (its tokenizer loaded, their tokens detokenized)."""
+        self.stop_strings = stop_strings  # requests stop on their stop strings in the engine (its tokenizer loaded)
         if high_priority_stream:
-            # vLLM runs (and replays its CUDA graphs) on this thread's current stream, which it tracks through its patched
-            # torch.cuda.set_stream (vllm.utils.torch_utils); set before the engine exists, it is the engine's stream.
-            # Priorities out of the device's range map to its highest.
+            # vLLM runs (and replays its graphs) on this thread's current stream, tracked through its patched torch.cuda.set_stream
+            # (vllm.utils.torch_utils): set before the engine exists, it is the engine's. Out-of-range priorities map to the highest.
             import vllm.utils.torch_utils  # noqa: F401  (the patch)
 
             torch.cuda.set_stream(torch.cuda.Stream(priority=-100))
@@ -287,13 +275,27 @@ class VLLMEngine:
             params.output_kind = RequestOutputKind.FINAL_ONLY  # one output per request, when all its n are done
             rid = f"alfrl-{self._submitted}"
             self._submitted += 1
-            self.llm.llm_engine.add_request(rid, TokensPrompt(prompt_token_ids=list(r.prompt_ids)), params, lora_request=self._lora)
+            with self._core_alive():
+                self.llm.llm_engine.add_request(rid, TokensPrompt(prompt_token_ids=list(r.prompt_ids)), params, lora_request=self._lora)
             ids.append(rid)
         return ids
 
     def step(self) -> list[tuple[str, list[Completion]]]:
         """One engine iteration (a prefill / decode step over every running request)."""
-        return [(out.request_id, self.completions_of(out)) for out in self.llm.llm_engine.step() if out.finished]
+        with self._core_alive():
+            outputs = self.llm.llm_engine.step()
+        return [(out.request_id, self.completions_of(out)) for out in outputs if out.finished]
+
+    @contextlib.contextmanager
+    def _core_alive(self):
+        """vLLM's EngineDeadError (its engine core's process died) as one line that says what to do."""
+        try:
+            yield
+        except Exception as e:
+            if type(e).__name__ == "EngineDeadError":  # vllm.v1.engine.exceptions' (by name: no vLLM import on this path)
+                raise EngineError("vLLM's engine core process died (its own log above says why, e.g. CUDA out of memory): resume "
+                                  "from the last checkpoint (--ckpt_path); if it recurs, set data.engine.separate_process: false") from e
+            raise
 
     @property
     def busy(self) -> bool:
@@ -375,8 +377,12 @@ class VLLMEngine:
         folder = write_adapter_folder(adapter, os.path.join(self._adapter_root, name), self.checkpoint_name)
         request = LoRARequest(name, lora_id, lora_path=folder)
         try:
-            loaded, why = self.llm.llm_engine.add_lora(request), "add_lora returned False"
-        except Exception as e:  # noqa: BLE001 - vLLM's loader raises ValueError, or the engine's process died
+            with self._core_alive():
+                loaded, why = self.llm.llm_engine.add_lora(request), "add_lora returned False"
+        except Exception as e:  # noqa: BLE001 - vLLM's loader raises ValueError; a dead core's EngineError goes on as it is
+            shutil.rmtree(folder, ignore_errors=True)
+            if isinstance(e, EngineError):
+                raise
             loaded, why = False, " ".join(f"{type(e).__name__}: {e}".split())[:400]
         if not loaded:
             shutil.rmtree(folder, ignore_errors=True)
@@ -441,10 +447,8 @@ class VLLMEngine:
             self._asleep = False
             self._zero_kv_cache()
             if self._lora_model is not None:
-                # the adapter served before the sleep, registered again under a new id exactly as a push does
-                # (its tensors shared, not copied), which resets the prefix cache. On the H200 (2026-12-02, third
-                # lease) the random Qwen3.5-4B still scored NaN after a wake-up with this: it is not that fix (with
-                # CUDA graphs the engine goes wrong with or without sleep; bench/README.md).
+                # the adapter served before the sleep, registered again under a new id as a push does (tensors shared), which
+                # resets the prefix cache; not the fix of the random Qwen3.5-4B's NaN after a wake-up (H200, 2026-12-02c)
                 lora_id = self._next_lora_id
                 self._next_lora_id += 1
                 self._register(self._lora_model.clone(lora_id), f"{self._lora.lora_name}-woken-{lora_id}")
@@ -473,10 +477,9 @@ class VLLMEngine:
     def _zero_kv_cache(self) -> int:
         """Zero the KV cache (and the linear-attention state kept with it) after a wake-up; returns the bytes zeroed.
 
-        vLLM allocates the cache zeroed at start and, waking from sleep level 1, maps fresh memory back
-        without zeroing it (vLLM 0.26 zeroes it only for fp8 caches): a zeroed cache is the state the engine
-        started in. (On the H200, 2026-12-02, zeroing it alone did not stop the random Qwen3.5-4B's NaN probe
-        after a wake-up; see ``keep_across_sleep`` for the buffers beside it.)
+        vLLM allocates the cache zeroed at start and, waking from sleep level 1, maps fresh memory back without zeroing
+        it (vLLM 0.26 zeroes it only for fp8 caches): a zeroed cache is the state the engine started in (on the H200,
+        2026-12-02, it alone did not stop the random Qwen3.5-4B's NaN probe after a wake-up).
         """
         total = 0
         for storage in self._kv_cache_storages():

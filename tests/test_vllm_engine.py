@@ -158,3 +158,66 @@ def test_a_separate_engine_process_needs_what_it_can_take():
         "data.engine.separate_process=true needs data.engine.weight_sync: lora, data.engine.sleep_mode: false (the engine's "
         "model, memory and streams are in its own process): change those, or set it to false"]
     assert EngineConfig(separate_process=True).problems()[0].startswith("data.engine.separate_process=true needs data.engine.kind: vllm")
+
+
+def test_a_dead_engine_core_process_stops_the_run_with_one_line_that_says_what_to_do(monkeypatch, capsys):
+    """vLLM raises EngineDeadError from every call once its core's process died: a step, a submit or a push says so in one line."""
+    import os
+    import sys
+    from types import ModuleType
+
+    import pytest
+
+    from alfrl.engines import AdapterWeights, EngineError, SamplingRequest
+    from alfrl.recipe import EXIT_STOPPED, report_stop
+    from alfrl.vllm_engine import VLLMEngine
+
+    class EngineDeadError(Exception):
+        pass
+
+    class LLMEngine:
+        def step(self):
+            raise EngineDeadError("EngineCore encountered an issue. See stack trace (above) for the root cause.")
+
+        def add_request(self, *args, **kwargs):
+            raise EngineDeadError()
+
+        def add_lora(self, request):
+            raise EngineDeadError()
+
+    class LLM:
+        llm_engine = LLMEngine()
+
+        def __init__(self, **kw):
+            pass
+
+    _stand_in_vllm(monkeypatch, LLM)
+    modules = {name: ModuleType(name) for name in ("vllm.inputs", "vllm.sampling_params")}
+    modules["vllm.inputs"].TokensPrompt = dict
+    modules["vllm.sampling_params"].RequestOutputKind = type("RequestOutputKind", (), {"FINAL_ONLY": 2})
+    sys.modules["vllm"].SamplingParams = lambda **kw: type("Params", (), kw)()
+    for name, mod in modules.items():
+        monkeypatch.setitem(sys.modules, name, mod)
+    engine = VLLMEngine("a-model", lora_rank=8, separate_process=True)
+    with pytest.raises(EngineError, match=r"engine core process died .*\(--ckpt_path\).*data\.engine\.separate_process: false") as e:
+        engine.step()
+    assert "\n" not in str(e.value) and isinstance(e.value.__cause__, EngineDeadError)
+    assert report_stop(RuntimeError("another error"), "fit") is None  # not ours: the caller raises it as is
+    try:
+        raise RuntimeError("the fit loop") from e.value
+    except RuntimeError as wrapped:
+        assert report_stop(wrapped, "fit") == EXIT_STOPPED
+    assert capsys.readouterr().err.splitlines()[-1].startswith("alfrl fit: stopped: vLLM's engine core process died")
+    tensors = {"base_model.model.model.layers.0.mlp.up_proj.lora_A.weight": torch.zeros(8, 4)}
+    with pytest.raises(EngineError, match="engine core process died"):  # a push: not "did not load the adapter"
+        engine.load_adapter(AdapterWeights(tensors, {"r": 8, "target_modules": {"up_proj"}}, version=1))
+    assert os.listdir(engine._adapter_root) == []  # its folder removed
+    with pytest.raises(EngineError, match="engine core process died"):
+        engine.submit([SamplingRequest(prompt_ids=(1, 2), n=1, temperature=1.0, top_p=1.0, max_new_tokens=4, stop_token_ids=(0,), seed=1)])
+
+    def fails(self):
+        raise ValueError("not a dead core")
+
+    monkeypatch.setattr(LLMEngine, "step", fails)
+    with pytest.raises(ValueError, match="not a dead core"):  # anything else goes through as it was
+        engine.step()
