@@ -201,12 +201,12 @@ class RolloutDataModule(L.LightningDataModule):
         self.step = int(state["step"])
 
     # ------------------------------------------------------------ batches
-    def step_games(self) -> list[Game]:
-        """This rank's share of the next ``games_per_batch`` training games (cyclic); advances the cursor."""
+    def step_games(self, advance: bool = True) -> list[Game]:
+        """This rank's share of the next ``games_per_batch`` training games (cyclic); advances the cursor unless told not to."""
         rank, world = self._rank_world()
         n = len(self.train_games)
         games = [self.train_games[(self.cursor + i) % n] for i in range(self.games_per_batch)]
-        self.cursor += self.games_per_batch
+        self.cursor += self.games_per_batch if advance else 0
         return games[rank::world]
 
     def next_batch(self) -> RolloutBatch:
@@ -217,6 +217,8 @@ class RolloutDataModule(L.LightningDataModule):
             lambda gi, group: listener(group_samples(gi, group, self.advantage, self.reward, self.rollout.history_length)[0]))
         rollout = self.connect(self.trainer.lightning_module).rollout(games, self.group_size, zlib.crc32(f"{self.seed}|step|{self.step}".encode()),
                                                                       self.progress_listener, on_group)
+        if self.env_cfg.prefetch_resets:  # the next step's resets run in the workers while this batch trains
+            self.sampler.prefetch(self.step_games(advance=False), self.group_size)
         failed = [g for g in rollout.groups if g.failed is not None]
         if failed:
             log.warning("step %d: %d of %d groups could not be played and are left out (%s)", self.step, len(failed), len(rollout.groups), failed[0].failed)

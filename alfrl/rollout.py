@@ -137,11 +137,9 @@ class RolloutStats:
     trajectory_end_seconds: list[float] = field(default_factory=list)
     """When each trajectory ended (seconds after the rollout started), in that order: the median says how much was tail."""
     group_start_seconds: list[float] = field(default_factory=list)
-    """When each group's first request was ready (its K environments reset and checked), seconds after the rollout
-    started: the last one says how long the start-up kept part of the engine's batch empty."""
+    """When each group's first request was ready (its environments reset and checked): the start-up's length, the last one."""
     engine_steps: int = 0
-    """Calls of ``engine.step()``: engine_seconds / engine_steps is the time of one (calls per model forward under
-    vLLM's asynchronous scheduling not measured; sixth H200 lease's evaluation: 3,292 calls, >= 2,215 forwards in sequence)."""
+    """Calls of ``engine.step()``: engine_seconds / engine_steps is the time of one (more calls than model forwards may run)."""
     tail_engine_seconds: float = 0.0  # the engine steps (and their seconds) once half of the trajectories had ended
     tail_engine_steps: int = 0
 
@@ -168,15 +166,17 @@ class RolloutRunner:
         seed: int,
         progress: Callable[[RolloutProgress], None] | None = None,
         on_group: Callable[[int, TrajectoryGroup], None] | None = None,
+        prepared: tuple[list[EnvGroup], list[list[int]]] | None = None,
     ) -> list[TrajectoryGroup]:
         """Play ``group_size`` trajectories of each game; one TrajectoryGroup per game, in order.
         ``on_group`` gets each game's index and group as soon as its last trajectory ended (evaluation writes it then;
-        ``model.ppo.update_during_rollout`` trains on it)."""
-        groups = [EnvGroup.create(self.pool, game, group_size) for game in games]
+        ``model.ppo.update_during_rollout`` trains on it). ``prepared``: these games' groups and the tickets of their
+        resets, submitted to the pool ahead of the rollout (``Sampler.prefetch``)."""
+        groups = prepared[0] if prepared else [EnvGroup.create(self.pool, game, group_size) for game in games]
         self.stats = RolloutStats()
         start = time.perf_counter()
         try:
-            play = _Play(self, groups, seed, progress, on_group, started=start)
+            play = _Play(self, groups, seed, progress, on_group, started=start, resets=prepared[1] if prepared else [])
             play.run()
         finally:
             for group in groups:
@@ -300,8 +300,10 @@ class _Play:
 
     POLL_SECONDS = 0.05
 
-    def __init__(self, runner: RolloutRunner, groups: list[EnvGroup], seed: int, progress, on_group=None, *, started: float):
+    def __init__(self, runner: RolloutRunner, groups: list[EnvGroup], seed: int, progress, on_group=None, *, started: float,
+                 resets: list[list[int]]):
         self.r = runner
+        self.resets = resets  # the tickets of resets submitted before the rollout, by group (prefetched)
         self.on_group = on_group
         self.finished: dict[int, TrajectoryGroup] = {}
         self.groups = groups
@@ -314,16 +316,13 @@ class _Play:
         self.reset_owner: dict[int, tuple[int, int]] = {}
         self.step_owner: dict[int, tuple[LiveTrajectory, Completion, protocol.ParsedAction]] = {}
         self.request_owner: dict[str, list[LiveTrajectory]] = {}
-        self.ready: list[tuple[LiveTrajectory, int]] = []
-        """Trajectories waiting to be submitted, with their request's n (K on a group's first turn)."""
-        self.held: list[tuple[LiveTrajectory, Completion, protocol.ParsedAction]] = []
-        """rounds: completions waiting for the round's generation to end before their environments step."""
+        self.ready: list[tuple[LiveTrajectory, int]] = []  # to be submitted, with their request's n (K on a group's first turn)
+        self.held: list[tuple[LiveTrajectory, Completion, protocol.ParsedAction]] = []  # rounds: waiting for the round's end
         self.turns = 0
         self.total = sum(len(g) for g in groups)
         self.last_report = 0.0
         self.window = runner.cfg.max_live_games or len(groups)
-        self.next_group = 0
-        """Groups before this index were started (``max_live_games``: the next starts when one ends)."""
+        self.next_group = 0  # groups before it were started (``max_live_games``: the next starts when one ends)
         self.live_groups = 0
         self.started = started
         """The rollout's start (``time.perf_counter()``, the run's clock): trajectory end times count from it."""
@@ -389,7 +388,8 @@ class _Play:
             gi = self.next_group
             self.next_group += 1
             self.live_groups += 1
-            for k, ticket in enumerate(self.r.pool.submit(self.groups[gi].reset_ops())):
+            tickets = self.resets[gi] if gi < len(self.resets) else self.r.pool.submit(self.groups[gi].reset_ops())
+            for k, ticket in enumerate(tickets):
                 self.reset_owner[ticket] = (gi, k)
 
     def group_ended(self, gi: int) -> None:

@@ -26,7 +26,7 @@ import torch
 from alfrl import protocol
 from alfrl.chat import ChatFormat, chat_format
 from alfrl.engines import Engine, EngineCounters, HFEngine
-from alfrl.envs import EnvPool
+from alfrl.envs import EnvGroup, EnvPool
 from alfrl.evaluation import EvalConfig, game_record, run_eval
 from alfrl.games import Game
 from alfrl.rewards import RewardConfig
@@ -247,6 +247,9 @@ class EnvConfig:
     step_timeout: float = 60.0
     """Seconds before a step counts as hung (the worker is restarted, that trajectory ends with env_error)."""
     reset_timeout: float = 180.0
+    prefetch_resets: bool = True
+    """Reset the next training step's environments as soon as a rollout ends (the workers are idle while the update and
+    the sync run), so the next rollout's groups start without waiting for their resets (``Sampler.prefetch``)."""
 
     def problems(self, prefix: str = "data.env") -> list[str]:
         out = []
@@ -285,6 +288,8 @@ class Sampler:
         self.eval_cfg = evaluation
         self.engine_cfg = engine_cfg
         self._sync: WeightSync | None = None
+        self._prefetched: tuple[tuple[str, ...], int, list[EnvGroup], list[list[int]]] | None = None
+        """``prefetch``'s games (ids), group size, groups and the tickets of their resets, by group."""
 
     @classmethod
     def build(cls, policy, rollout: RolloutConfig, reward: RewardConfig, engine: EngineConfig, env: EnvConfig,
@@ -331,7 +336,7 @@ class Sampler:
         self.engine.wake_up()
         before = self.engine.counters()
         runner = self.runner()
-        groups = runner.run(games, group_size, seed, progress, on_group)
+        groups = runner.run(games, group_size, seed, progress, on_group, self._take_prefetch(games, group_size))
         counters = self.engine.counters().minus(before)
         # the engine scores the sync's probe as right after the last sync, before it sleeps (one short prefill)
         engine_metrics = self._sync.check_engine("after the rollout") if self._sync is not None else {}
@@ -341,6 +346,34 @@ class Sampler:
         if freed is not None:
             engine_metrics["engine/sleep_seconds"] = time.perf_counter() - slept
         return RolloutResult(groups, counters, runner.stats, freed, engine_metrics)
+
+    def prefetch(self, games: list[Game], group_size: int) -> None:
+        """Submit the resets of ``games``' groups now; ``rollout`` plays them if it gets the same games and group size
+        (anything else drops them first). Not with ``max_live_games`` below the games: those start one by one."""
+        self.drop_prefetch()
+        if self.pool is None or not games or 0 < self.rollout_cfg.max_live_games < len(games):
+            return
+        groups = [EnvGroup.create(self.pool, game, group_size) for game in games]
+        self._prefetched = (tuple(g.id for g in games), group_size, groups, [self.pool.submit(g.reset_ops()) for g in groups])
+
+    def _take_prefetch(self, games: list[Game], group_size: int) -> tuple[list[EnvGroup], list[list[int]]] | None:
+        found = self._prefetched
+        if found is not None and found[:2] == (tuple(g.id for g in games), group_size):
+            self._prefetched = None
+            return found[2], found[3]
+        self.drop_prefetch()
+        return None
+
+    def drop_prefetch(self) -> None:
+        """Collect a prefetch's resets (no other rollout may find their results in the pool) and release its environments."""
+        found, self._prefetched = self._prefetched, None
+        if found is None or self.pool is None:
+            return
+        pending = {t for tickets in found[3] for t in tickets}
+        while pending:  # each reset ends, or fails at the pool's reset_timeout
+            pending -= {t for t, _ in self.pool.poll(1.0)}
+        for group in found[2]:
+            group.close()
 
     # ------------------------------------------------------------ weights
     def probe_ids(self) -> list[int]:
@@ -364,6 +397,7 @@ class Sampler:
     def evaluate_records(self, games: list[Game], cfg: EvalConfig | None = None) -> list[dict]:
         """One trajectory per game under the evaluation protocol, as JSONL records (in game order)."""
         cfg = cfg or self.eval_cfg
+        self.drop_prefetch()
         self.engine.wake_up()
         runner = self.runner(cfg.rollout_config(self.rollout_cfg))
         records = []
@@ -376,6 +410,7 @@ class Sampler:
                  on_game: Callable[[int, int], None] | None = None) -> dict:
         """The evaluation protocol on ``games`` into the resumable result file ``out``; returns the summary."""
         cfg = cfg or self.eval_cfg
+        self.drop_prefetch()
         self.engine.wake_up()
         before = self.engine.counters()
         start = time.perf_counter()
@@ -388,6 +423,7 @@ class Sampler:
         return summary
 
     def close(self) -> None:
+        self._prefetched = None  # its environments end with the pool's workers
         if self.pool is not None:
             self.pool.close()
             self.pool = None

@@ -273,3 +273,81 @@ def test_the_replay_ceiling_plays_each_trajectorys_recorded_turns_back_to_back(t
     rc.save_turns([long, short, windowed], str(tmp_path / "turns.json.gz"))
     loaded = rc.load_turns(str(tmp_path / "turns.json.gz"))
     assert [rc.turn_requests(t) for t in loaded] == [rc.turn_requests(t) for t in (long, short, windowed)]
+
+
+def test_prefetched_resets_are_played_by_the_next_rollout_of_those_games_and_dropped_by_anything_else(valid_games, fmt):
+    """Sampler.prefetch: the next step's resets run before its rollout (the same trajectories, no reset in the rollout);
+    a rollout of other games or an evaluation first collects them and releases their environments."""
+    from alfrl.evaluation import EvalConfig
+    from alfrl.sampler import EngineConfig, Sampler
+
+    games = [g for g in valid_games if g.id == GAME] + [g for g in valid_games if g.id != GAME][:1]
+    cfg = RolloutConfig(max_episode_steps=3, max_trajectory_tokens=20000, max_assistant_tokens=200)
+    scripts = [["look"] * 3, ["inventory"] * 3]
+    with EnvPool(num_workers=2, step_timeout=30) as pool:
+        def sampler():
+            return Sampler(ScriptedEngine(fmt, scripts), pool, fmt, cfg, RewardConfig(), EvalConfig(), EngineConfig())
+
+        plain = sampler().rollout(games, 2, seed=3).groups
+        s = sampler()
+        s.prefetch(games, 2)
+        assert len(pool._envs) == 4  # two groups of two, resetting
+        kinds, submit = [], pool.submit
+        pool.submit = lambda ops: (kinds.extend(op.kind for op in ops), submit(ops))[1]
+        fetched = s.rollout(games, 2, seed=3)
+        assert kinds and "reset" not in kinds  # every reset was submitted before the rollout
+        assert [g.trajectories for g in fetched.groups] == [g.trajectories for g in plain]
+        assert not pool._envs and not pool.busy  # the rollout released them as its own
+        s.prefetch(games, 2)
+        kinds.clear()
+        other = s.rollout(games[:1], 2, seed=3).groups  # other games: the prefetch collected and released first
+        assert kinds.count("reset") == 2 and [g.trajectories for g in other] == [plain[0].trajectories]
+        assert not pool._envs and not pool.busy and not pool._results
+        s.prefetch(games, 1)
+        records = s.evaluate_records(games[:1], EvalConfig(max_episode_steps=2, games_per_chunk=1))
+        assert len(records) == 1 and not pool._envs and not pool._results
+        s.prefetch(games, 2)
+        s.close()  # closes the pool with the prefetch in it
+        assert s.pool is None and s._prefetched is None
+
+
+def test_a_max_live_games_rollout_is_not_prefetched(valid_games, fmt):
+    from alfrl.evaluation import EvalConfig
+    from alfrl.sampler import EngineConfig, Sampler
+
+    cfg = RolloutConfig(max_episode_steps=2, max_trajectory_tokens=20000, max_assistant_tokens=200, max_live_games=1)
+    with EnvPool(num_workers=2, step_timeout=30) as pool:
+        s = Sampler(ScriptedEngine(fmt, [["look"] * 2]), pool, fmt, cfg, RewardConfig(), EvalConfig(), EngineConfig())
+        s.prefetch(valid_games[:2], 1)  # its games start one by one
+        assert s._prefetched is None and not pool._envs
+
+
+def test_each_training_batch_prefetches_the_next_steps_resets(valid_games, fmt):
+    """RolloutDataModule.next_batch: after its rollout, the next step's games reset in the workers (data.env.prefetch_resets)."""
+    from types import SimpleNamespace
+
+    from alfrl.datamodule import RolloutDataModule
+    from alfrl.evaluation import EvalConfig
+    from alfrl.sampler import EngineConfig, EnvConfig, Sampler
+
+    cfg = RolloutConfig(max_episode_steps=2, max_trajectory_tokens=20000, max_assistant_tokens=200)
+    for prefetch in (True, False):
+        dm = RolloutDataModule(games_per_batch=2, group_size=2, rollout=cfg, env=EnvConfig(prefetch_resets=prefetch))
+        dm.train_games = list(valid_games[:5])
+        dm.trainer = SimpleNamespace(lightning_module=None, global_rank=0, world_size=1)
+        with EnvPool(num_workers=2, step_timeout=30) as pool:
+            dm.sampler = Sampler(ScriptedEngine(fmt, [["look"] * 2, ["inventory"] * 2]), pool, fmt, cfg, RewardConfig(),
+                                 EvalConfig(), EngineConfig())
+            kinds, submit = [], pool.submit
+            pool.submit = lambda ops: (kinds.extend(op.kind for op in ops), submit(ops))[1]
+            dm.next_batch()
+            assert kinds[:4] == ["reset"] * 4  # the first rollout resets its own
+            assert (dm.sampler._prefetched is not None) == prefetch and kinds[-1] == ("reset" if prefetch else "step")
+            if prefetch:
+                assert dm.sampler._prefetched[:2] == (tuple(g.id for g in dm.step_games(advance=False)), 2)
+            kinds.clear()
+            batch = dm.next_batch()
+            assert [g.id for g in batch.games] == [g.id for g in valid_games[2:4]]
+            rollout_kinds = kinds[:-4] if prefetch else kinds  # with a prefetch, the next one's 4 resets come last
+            assert rollout_kinds.count("reset") == (0 if prefetch else 4) and set(kinds[-4:]) == {"reset" if prefetch else "step"}
+            dm.sampler.close()
