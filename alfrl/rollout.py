@@ -129,13 +129,10 @@ class RolloutStats:
     seconds: float = 0.0
     engine_seconds: float = 0.0
     """Inside engine steps (the GPU's share of the rollout, for vLLM; with its core in a process of its own, waiting for its outputs)."""
-    env_wait_seconds: float = 0.0
-    """Blocked waiting for environments with nothing to generate."""
-    submit_seconds: float = 0.0
-    """Handing requests to the engine (for vLLM: its input processing and prefix-cache hashing)."""
+    env_wait_seconds: float = 0.0  # blocked waiting for environments with nothing to generate
+    submit_seconds: float = 0.0  # handing requests to the engine (for vLLM: its input processing and prefix-cache hashing)
     requests: int = 0
-    trajectory_end_seconds: list[float] = field(default_factory=list)
-    """When each trajectory ended (seconds after the rollout started), in that order: the median says how much was tail."""
+    trajectory_end_seconds: list[float] = field(default_factory=list)  # when each ended (after the start), in that order
     group_start_seconds: list[float] = field(default_factory=list)
     """When each group's first request was ready (its environments reset and checked): the start-up's length, the last one."""
     engine_steps: int = 0
@@ -166,17 +163,17 @@ class RolloutRunner:
         seed: int,
         progress: Callable[[RolloutProgress], None] | None = None,
         on_group: Callable[[int, TrajectoryGroup], None] | None = None,
-        prepared: tuple[list[EnvGroup], list[list[int]]] | None = None,
+        prepared: tuple[list[EnvGroup], list[list[int]], dict] | None = None,
     ) -> list[TrajectoryGroup]:
         """Play ``group_size`` trajectories of each game; one TrajectoryGroup per game, in order.
         ``on_group`` gets each game's index and group as soon as its last trajectory ended (evaluation writes it then;
-        ``model.ppo.update_during_rollout`` trains on it). ``prepared``: these games' groups and the tickets of their
-        resets, submitted to the pool ahead of the rollout (``Sampler.prefetch``)."""
+        ``model.ppo.update_during_rollout`` trains on it). ``prepared``: these games' groups, the tickets of their
+        resets submitted ahead of the rollout and the results of those already back (``Sampler.prefetch``)."""
         groups = prepared[0] if prepared else [EnvGroup.create(self.pool, game, group_size) for game in games]
         self.stats = RolloutStats()
         start = time.perf_counter()
         try:
-            play = _Play(self, groups, seed, progress, on_group, started=start, resets=prepared[1] if prepared else [])
+            play = _Play(self, groups, seed, progress, on_group, started=start, prepared=prepared[1:] if prepared else ([], {}))
             play.run()
         finally:
             for group in groups:
@@ -301,9 +298,9 @@ class _Play:
     POLL_SECONDS = 0.05
 
     def __init__(self, runner: RolloutRunner, groups: list[EnvGroup], seed: int, progress, on_group=None, *, started: float,
-                 resets: list[list[int]]):
+                 prepared: tuple[list[list[int]], dict]):
         self.r = runner
-        self.resets = resets  # the tickets of resets submitted before the rollout, by group (prefetched)
+        self.resets, self.early = prepared  # resets submitted before the rollout: tickets by group, results back by ticket
         self.on_group = on_group
         self.finished: dict[int, TrajectoryGroup] = {}
         self.groups = groups
@@ -344,6 +341,8 @@ class _Play:
     def run(self) -> None:
         r = self.r
         self.start_groups()
+        for ticket, result in sorted(self.early.items()):  # prefetched resets already back
+            self.on_reset(ticket, result)
         self.report(force=True)
         while self.reset_owner or self.step_owner or self.request_owner or self.ready or self.held:
             self.submit_ready()

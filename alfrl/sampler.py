@@ -16,6 +16,7 @@ The DataModule makes its batches with ``rollout``, the weight-sync callback call
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,7 +27,7 @@ import torch
 from alfrl import protocol
 from alfrl.chat import ChatFormat, chat_format
 from alfrl.engines import Engine, EngineCounters, HFEngine
-from alfrl.envs import EnvGroup, EnvPool
+from alfrl.envs import EnvFailure, EnvGroup, EnvPool, EnvState
 from alfrl.evaluation import EvalConfig, game_record, run_eval
 from alfrl.games import Game
 from alfrl.rewards import RewardConfig
@@ -290,6 +291,9 @@ class Sampler:
         self._sync: WeightSync | None = None
         self._prefetched: tuple[tuple[str, ...], int, list[EnvGroup], list[list[int]]] | None = None
         """``prefetch``'s games (ids), group size, groups and the tickets of their resets, by group."""
+        self._early: dict[int, EnvState | EnvFailure] = {}
+        """The prefetched resets' results collected so far, by ticket."""
+        self._collector: tuple[threading.Thread, threading.Event] | None = None
 
     @classmethod
     def build(cls, policy, rollout: RolloutConfig, reward: RewardConfig, engine: EngineConfig, env: EnvConfig,
@@ -355,21 +359,39 @@ class Sampler:
             return
         groups = [EnvGroup.create(self.pool, game, group_size) for game in games]
         self._prefetched = (tuple(g.id for g in games), group_size, groups, [self.pool.submit(g.reset_ops()) for g in groups])
+        stop = threading.Event()
+        self._collector = (threading.Thread(target=self._collect, args=(self.pool, stop), name="alfrl-prefetch", daemon=True), stop)
+        self._collector[0].start()
 
-    def _take_prefetch(self, games: list[Game], group_size: int) -> tuple[list[EnvGroup], list[list[int]]] | None:
+    def _collect(self, pool: EnvPool, stop: threading.Event) -> None:
+        """Until the next rollout (or a drop) stops it: the pool sends each worker its next op only when polled, so this
+        thread polls it, keeping every worker resetting, and keeps what comes back. Nothing else uses the pool meanwhile."""
+        while not stop.is_set() and pool.busy:
+            self._early.update(pool.poll(0.05))
+
+    def _take_prefetch(self, games: list[Game], group_size: int) -> tuple[list[EnvGroup], list[list[int]], dict] | None:
+        self._stop_collecting()
         found = self._prefetched
         if found is not None and found[:2] == (tuple(g.id for g in games), group_size):
-            self._prefetched = None
-            return found[2], found[3]
+            self._prefetched, early, self._early = None, self._early, {}
+            return found[2], found[3], early
         self.drop_prefetch()
         return None
 
+    def _stop_collecting(self) -> None:
+        if self._collector is not None:
+            thread, stop = self._collector
+            stop.set()
+            thread.join()
+            self._collector = None
+
     def drop_prefetch(self) -> None:
         """Collect a prefetch's resets (no other rollout may find their results in the pool) and release its environments."""
-        found, self._prefetched = self._prefetched, None
+        self._stop_collecting()
+        found, self._prefetched, early, self._early = self._prefetched, None, self._early, {}
         if found is None or self.pool is None:
             return
-        pending = {t for tickets in found[3] for t in tickets}
+        pending = {t for tickets in found[3] for t in tickets} - set(early)
         while pending:  # each reset ends, or fails at the pool's reset_timeout
             pending -= {t for t, _ in self.pool.poll(1.0)}
         for group in found[2]:
@@ -423,7 +445,8 @@ class Sampler:
         return summary
 
     def close(self) -> None:
-        self._prefetched = None  # its environments end with the pool's workers
+        self._stop_collecting()
+        self._prefetched, self._early = None, {}  # its environments end with the pool's workers
         if self.pool is not None:
             self.pool.close()
             self.pool = None
