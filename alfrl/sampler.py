@@ -248,9 +248,10 @@ class EnvConfig:
     step_timeout: float = 60.0
     """Seconds before a step counts as hung (the worker is restarted, that trajectory ends with env_error)."""
     reset_timeout: float = 180.0
-    prefetch_resets: bool = True
+    prefetch_resets: bool = False
     """Reset the next training step's environments as soon as a rollout ends (the workers are idle while the update and
-    the sync run), so the next rollout's groups start without waiting for their resets (``Sampler.prefetch``)."""
+    the sync run), so the next rollout's groups start without waiting for their resets (``Sampler.prefetch``). Off until
+    measured on a GPU: on the 2-core development machine the resets slowed the CPU update beside them more than they saved."""
 
     def problems(self, prefix: str = "data.env") -> list[str]:
         out = []
