@@ -5,6 +5,7 @@ runner, the weight sync with its probe, and evaluation:
 
     sampler = Sampler.build(policy, rollout, reward, engine, env, eval)
     result = sampler.rollout(games, group_size, seed)      # grouped trajectories, token counters, timings
+    sampler.prefetch(next_games, group_size)               # optional: the next rollout's resets, started now
     metrics = sampler.sync(policy)                         # new weights in, counted and probed
     summary = sampler.evaluate(games, out="results.jsonl", config={...})
     sampler.close()
