@@ -100,8 +100,8 @@ class EngineConfig:
     of finished groups; bench/leases/2026-12-03g.md). The adapter reaches it as a peft folder (in /dev/shm) through
     vLLM's ``add_lora``. Needs ``weight_sync: lora`` and no ``sleep_mode`` or ``high_priority_stream``. On the H200 its rollouts
     generated 1.28x / 1.18x more tokens a second than in-process (20.05 / 24.96 s against 25.22 / 29.24 s, not pairs), the
-    same turns replayed by the engine alone 1.13x slower (bench/leases/2026-12-03h.md); its first fit's steps 27.64 s on
-    average against 33.66 s (4 + 4 updates, not pairs; 2026-12-04a), so on in the 1.5B RL recipes."""
+    same turns replayed by the engine alone 1.13x slower (bench/leases/2026-12-03h.md); its first fit's steps 27.640 s on
+    average against 33.658 s (4 + 4 updates, not pairs; 2026-12-04a), so on in the 1.5B RL recipes."""
     speculative_ngram_tokens: int = 0
     """vLLM: n-gram speculative decoding (prompt lookup, on the GPU): up to this many tokens per step proposed from the
     sequence's own history where its last ``speculative_ngram_min``..``speculative_ngram_max`` tokens occurred before,
