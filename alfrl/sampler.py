@@ -278,6 +278,30 @@ class RolloutResult:
     the seconds the engine took to fall asleep (``engine/sleep_seconds``, sleep mode only)."""
 
 
+@dataclass
+class Prefetch:
+    """Resets submitted ahead of the rollout that plays them (``Sampler.prefetch``)."""
+
+    game_ids: tuple[str, ...]
+    group_size: int
+    groups: list[EnvGroup]
+    tickets: list[list[int]]
+    """Each group's reset tickets."""
+    early: dict[int, EnvState | EnvFailure] = field(default_factory=dict)
+    """The results collected so far, by ticket (by ``collector``, a thread that keeps polling the pool)."""
+    stop: threading.Event = field(default_factory=threading.Event)
+    collector: threading.Thread | None = None
+
+    def matches(self, games: list[Game], group_size: int) -> bool:
+        return self.game_ids == tuple(g.id for g in games) and self.group_size == group_size
+
+    def stop_collecting(self) -> None:
+        if self.collector is not None:
+            self.stop.set()
+            self.collector.join()
+            self.collector = None
+
+
 class Sampler:
     """Plays trajectories with the policy; see the module docstring."""
 
@@ -291,11 +315,7 @@ class Sampler:
         self.eval_cfg = evaluation
         self.engine_cfg = engine_cfg
         self._sync: WeightSync | None = None
-        self._prefetched: tuple[tuple[str, ...], int, list[EnvGroup], list[list[int]]] | None = None
-        """``prefetch``'s games (ids), group size, groups and the tickets of their resets, by group."""
-        self._early: dict[int, EnvState | EnvFailure] = {}
-        """The prefetched resets' results collected so far, by ticket."""
-        self._collector: tuple[threading.Thread, threading.Event] | None = None
+        self._prefetch: Prefetch | None = None
 
     @classmethod
     def build(cls, policy, rollout: RolloutConfig, reward: RewardConfig, engine: EngineConfig, env: EnvConfig,
@@ -360,43 +380,39 @@ class Sampler:
         if self.pool is None or not games or 0 < self.rollout_cfg.max_live_games < len(games):
             return
         groups = [EnvGroup.create(self.pool, game, group_size) for game in games]
-        self._prefetched = (tuple(g.id for g in games), group_size, groups, [self.pool.submit(g.reset_ops()) for g in groups])
-        stop = threading.Event()
-        self._collector = (threading.Thread(target=self._collect, args=(self.pool, stop), name="alfrl-prefetch", daemon=True), stop)
-        self._collector[0].start()
+        p = Prefetch(tuple(g.id for g in games), group_size, groups, [self.pool.submit(g.reset_ops()) for g in groups])
+        p.collector = threading.Thread(target=self._collect, args=(self.pool, p), name="alfrl-prefetch", daemon=True)
+        p.collector.start()
+        self._prefetch = p
 
-    def _collect(self, pool: EnvPool, stop: threading.Event) -> None:
+    @staticmethod
+    def _collect(pool: EnvPool, p: Prefetch) -> None:
         """Until the next rollout (or a drop) stops it: the pool sends each worker its next op only when polled, so this
         thread polls it, keeping every worker resetting, and keeps what comes back. Nothing else uses the pool meanwhile."""
-        while not stop.is_set() and pool.busy:
-            self._early.update(pool.poll(0.05))
+        while not p.stop.is_set() and pool.busy:
+            p.early.update(pool.poll(0.05))
 
     def _take_prefetch(self, games: list[Game], group_size: int) -> tuple[list[EnvGroup], list[list[int]], dict] | None:
-        self._stop_collecting()
-        found = self._prefetched
-        if found is not None and found[:2] == (tuple(g.id for g in games), group_size):
-            self._prefetched, early, self._early = None, self._early, {}
-            return found[2], found[3], early
+        p = self._prefetch
+        if p is not None and p.matches(games, group_size):
+            p.stop_collecting()
+            self._prefetch = None
+            return p.groups, p.tickets, p.early
         self.drop_prefetch()
         return None
 
-    def _stop_collecting(self) -> None:
-        if self._collector is not None:
-            thread, stop = self._collector
-            stop.set()
-            thread.join()
-            self._collector = None
-
     def drop_prefetch(self) -> None:
         """Collect a prefetch's resets (no other rollout may find their results in the pool) and release its environments."""
-        self._stop_collecting()
-        found, self._prefetched, early, self._early = self._prefetched, None, self._early, {}
-        if found is None or self.pool is None:
+        p, self._prefetch = self._prefetch, None
+        if p is None:
             return
-        pending = {t for tickets in found[3] for t in tickets} - set(early)
+        p.stop_collecting()
+        if self.pool is None:
+            return
+        pending = {t for tickets in p.tickets for t in tickets} - set(p.early)
         while pending:  # each reset ends, or fails at the pool's reset_timeout
             pending -= {t for t, _ in self.pool.poll(1.0)}
-        for group in found[2]:
+        for group in p.groups:
             group.close()
 
     # ------------------------------------------------------------ weights
@@ -447,8 +463,9 @@ class Sampler:
         return summary
 
     def close(self) -> None:
-        self._stop_collecting()
-        self._prefetched, self._early = None, {}  # its environments end with the pool's workers
+        if self._prefetch is not None:  # its environments end with the pool's workers
+            self._prefetch.stop_collecting()
+            self._prefetch = None
         if self.pool is not None:
             self.pool.close()
             self.pool = None

@@ -292,8 +292,8 @@ def test_prefetched_resets_are_played_by_the_next_rollout_of_those_games_and_dro
         s = sampler()
         s.prefetch(games, 2)
         assert len(pool._envs) == 4  # two groups of two, resetting: two workers, one reset each at a time
-        s._collector[0].join(60)  # its thread polled the pool until every reset was back (the next ones sent as each ended)
-        assert sorted(s._early) == sorted(t for tickets in s._prefetched[3] for t in tickets)
+        s._prefetch.collector.join(60)  # its thread polled the pool until every reset was back (the next ones sent as each ended)
+        assert sorted(s._prefetch.early) == sorted(t for tickets in s._prefetch.tickets for t in tickets)
         kinds, submit = [], pool.submit
         pool.submit = lambda ops: (kinds.extend(op.kind for op in ops), submit(ops))[1]
         fetched = s.rollout(games, 2, seed=3)
@@ -312,7 +312,7 @@ def test_prefetched_resets_are_played_by_the_next_rollout_of_those_games_and_dro
         assert len(records) == 1 and not pool._envs and not pool._results
         s.prefetch(games, 2)
         s.close()  # closes the pool with the prefetch in it
-        assert s.pool is None and s._prefetched is None
+        assert s.pool is None and s._prefetch is None
 
 
 def test_a_max_live_games_rollout_is_not_prefetched(valid_games, fmt):
@@ -323,7 +323,7 @@ def test_a_max_live_games_rollout_is_not_prefetched(valid_games, fmt):
     with EnvPool(num_workers=2, step_timeout=30) as pool:
         s = Sampler(ScriptedEngine(fmt, [["look"] * 2]), pool, fmt, cfg, RewardConfig(), EvalConfig(), EngineConfig())
         s.prefetch(valid_games[:2], 1)  # its games start one by one
-        assert s._prefetched is None and not pool._envs
+        assert s._prefetch is None and not pool._envs
 
 
 def test_each_training_batch_prefetches_the_next_steps_resets(valid_games, fmt):
@@ -346,9 +346,9 @@ def test_each_training_batch_prefetches_the_next_steps_resets(valid_games, fmt):
             pool.submit = lambda ops: (kinds.extend(op.kind for op in ops), submit(ops))[1]
             dm.next_batch()
             assert kinds[:4] == ["reset"] * 4  # the first rollout resets its own
-            assert (dm.sampler._prefetched is not None) == prefetch and kinds[-1] == ("reset" if prefetch else "step")
+            assert (dm.sampler._prefetch is not None) == prefetch and kinds[-1] == ("reset" if prefetch else "step")
             if prefetch:
-                assert dm.sampler._prefetched[:2] == (tuple(g.id for g in dm.step_games(advance=False)), 2)
+                assert dm.sampler._prefetch.matches(dm.step_games(advance=False), 2)
             kinds.clear()
             batch = dm.next_batch()
             assert [g.id for g in batch.games] == [g.id for g in valid_games[2:4]]
