@@ -463,9 +463,9 @@ class Sampler:
         return summary
 
     def close(self) -> None:
-        if self._prefetch is not None:  # its environments end with the pool's workers
-            self._prefetch.stop_collecting()
-            self._prefetch = None
+        p, self._prefetch = self._prefetch, None
+        if p is not None:  # its environments end with the pool's workers
+            p.stop_collecting()
         if self.pool is not None:
             self.pool.close()
             self.pool = None

@@ -379,10 +379,10 @@ class VLLMEngine:
         try:
             with self._core_alive():
                 loaded, why = self.llm.llm_engine.add_lora(request), "add_lora returned False"
-        except Exception as e:  # noqa: BLE001 - vLLM's loader raises ValueError; a dead core's EngineError goes on as it is
+        except EngineError:  # a dead core, said as such by _core_alive
             shutil.rmtree(folder, ignore_errors=True)
-            if isinstance(e, EngineError):
-                raise
+            raise
+        except Exception as e:  # noqa: BLE001 - vLLM's loader raises ValueError
             loaded, why = False, " ".join(f"{type(e).__name__}: {e}".split())[:400]
         if not loaded:
             shutil.rmtree(folder, ignore_errors=True)
