@@ -1,10 +1,9 @@
 """The vLLM engine: a vLLM ``LLM`` on token prompts, with prefix caching; its engine core in the trainer's process, or
 in one of its own (``separate_process``: the adapter then goes to it as a peft folder; a core that died is one EngineError).
 
-Requests are submitted and stepped (``submit`` / ``step``) so the rollout keeps the engine busy
-without a round barrier; ``generate`` waits for a batch. The trained LoRA adapter is served unmerged
-from memory (``load_adapter``, the default sync) or merged weights are loaded (``update_weights``);
-both count what vLLM took. Vision-language checkpoints (Qwen3.5) start with ``language_model_only``
+Requests are submitted and stepped (``submit`` / ``step``) so the rollout keeps the engine busy without a round barrier;
+``generate`` waits for a batch. The trained LoRA adapter is served unmerged from memory (``load_adapter``, the default
+sync) or merged weights are loaded (``update_weights``); both count what vLLM took. Vision-language checkpoints (Qwen3.5) start with ``language_model_only``
 and the trainer's text-stack names (``model.layers.*``) are renamed to the checkpoint's
 (``model.language_model.layers.*``) before vLLM maps them to its own.
 """
@@ -83,9 +82,10 @@ def scored_token(out, token: int) -> float:
     return float(steps[0][token].logprob)
 
 
-def write_adapter_folder(adapter: AdapterWeights, folder: str, name=lambda n: n) -> str:
-    """``adapter`` as peft saves one (``adapter_config.json``, ``adapter_model.safetensors``, float32 as trained) in
-    ``folder``, tensor names through ``name``: what vLLM's ``add_lora`` loads in an engine of its own process."""
+def write_adapter_folder(adapter: AdapterWeights, folder: str, name=lambda n: n, dtype: torch.dtype | None = None) -> str:
+    """``adapter`` as peft saves one (``adapter_config.json``, ``adapter_model.safetensors``) in ``folder``, tensor names
+    through ``name``: what vLLM's ``add_lora`` loads in an engine of its own process. ``dtype``: cast on their device to
+    what vLLM's loader casts them to anyway (its ``lora_dtype``): the same values served, half the bytes; None: float32."""
     import json
 
     from safetensors.torch import save_file
@@ -93,7 +93,7 @@ def write_adapter_folder(adapter: AdapterWeights, folder: str, name=lambda n: n)
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, "adapter_config.json"), "w") as f:
         json.dump(adapter.plain_config, f, default=str)
-    save_file({name(k): v.detach().to("cpu", copy=True).contiguous() for k, v in adapter.tensors.items()},
+    save_file({name(k): v.detach().to(dtype or v.dtype).to("cpu", copy=True).contiguous() for k, v in adapter.tensors.items()},
               os.path.join(folder, "adapter_model.safetensors"))
     return folder
 
@@ -374,7 +374,9 @@ class VLLMEngine:
         lora_id = self._next_lora_id
         self._next_lora_id += 1
         name = f"alfrl-v{adapter.version}-{lora_id}"
-        folder = write_adapter_folder(adapter, os.path.join(self._adapter_root, name), self.checkpoint_name)
+        dtype = getattr(getattr(getattr(self.llm.llm_engine, "vllm_config", None), "lora_config", None), "lora_dtype", None)
+        folder = write_adapter_folder(adapter, os.path.join(self._adapter_root, name), self.checkpoint_name, dtype
+                                      if isinstance(dtype, torch.dtype) else None)
         request = LoRARequest(name, lora_id, lora_path=folder)
         try:
             with self._core_alive():

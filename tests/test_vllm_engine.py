@@ -143,6 +143,18 @@ def test_an_adapter_reaches_a_separate_engine_as_a_peft_folder_and_only_the_serv
         engine.load_adapter(policy.adapter_weights())
     assert "\n" not in str(e.value) and engine._lora.lora_int_id == lora_id  # still serving the last one
     assert os.listdir(engine._adapter_root) == [engine._lora.lora_name]  # the refused folder removed
+    # vLLM casts what it loads to its lora_dtype: the folder is written in it (half the bytes of float32), same values
+    from types import SimpleNamespace
+
+    from safetensors.torch import load_file
+
+    monkeypatch.setattr(LLMEngine, "add_lora", lambda self, request: True)
+    LLMEngine.vllm_config = SimpleNamespace(lora_config=SimpleNamespace(lora_dtype=torch.bfloat16))
+    adapter = policy.adapter_weights()
+    engine.load_adapter(adapter)
+    written = load_file(os.path.join(engine._lora.lora_path, "adapter_model.safetensors"))
+    assert len(written) == len(adapter.tensors) and {t.dtype for t in written.values()} == {torch.bfloat16}
+    assert all(torch.equal(written[engine.checkpoint_name(k)], v.to(torch.bfloat16)) for k, v in adapter.tensors.items())
     with pytest.raises(EngineError, match="separate process .* not reachable"):
         engine.update_weights([])
     root = engine._adapter_root
