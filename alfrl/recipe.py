@@ -328,6 +328,13 @@ class AlfrlCLI(LightningCLI):
             problems = recipe_problems(cfg, check_data=self.check_data)
             if problems:
                 raise RecipeError(problems)
+            if self.data_class is RolloutDataModule:  # before anything here initializes CUDA (the model's dtype check does)
+                from alfrl.mps import limit_this_process
+
+                try:
+                    limit_this_process(data_dict(cfg.data)["engine"].trainer_sm_percentage)
+                except ValueError as e:
+                    raise RecipeError(str(e)) from None
 
     def _parse_ckpt_path(self) -> None:
         """Resolve ``--ckpt_path`` (a step folder, ``.../last`` or ``trainer.ckpt``).

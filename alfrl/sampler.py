@@ -31,6 +31,7 @@ from alfrl.engines import Engine, EngineCounters, HFEngine
 from alfrl.envs import EnvFailure, EnvGroup, EnvPool, EnvState
 from alfrl.evaluation import EvalConfig, game_record, run_eval
 from alfrl.games import Game
+from alfrl.mps import context_sm_count, full_gpu_for_children
 from alfrl.rewards import RewardConfig
 from alfrl.rollout import RolloutConfig, RolloutRunner, RolloutStats
 from alfrl.sync import SYNC_MODES, WeightSync
@@ -102,6 +103,12 @@ class EngineConfig:
     generated 1.28x / 1.18x more tokens a second than in-process (20.05 / 24.96 s against 25.22 / 29.24 s, not pairs), the
     same turns replayed by the engine alone 1.13x slower (bench/leases/2026-12-03h.md); its first fit's steps 27.640 s on
     average against 33.658 s (4 + 4 updates, not pairs; 2026-12-04a), so on in the 1.5B RL recipes."""
+    trainer_sm_percentage: int | None = None
+    """Under a CUDA MPS daemon, the share (1-100) of the GPU's SMs this process's kernels (the update) may use, set by
+    ``alfrl fit`` once the recipe is read, before CUDA starts (the SMs it got are printed when the engine has started); the
+    engine core (``separate_process``) is spawned with all of them,
+    so its small steps at the end of a rollout find SMs free beside the update of finished groups (alfrl/mps.py). null: no
+    limit. Not yet run on a GPU (the plan: bench/leases/2026-12-04b.md "Next")."""
     speculative_ngram_tokens: int = 0
     """vLLM: n-gram speculative decoding (prompt lookup, on the GPU): up to this many tokens per step proposed from the
     sequence's own history where its last ``speculative_ngram_min``..``speculative_ngram_max`` tokens occurred before,
@@ -179,6 +186,9 @@ class EngineConfig:
         if self.separate_process and needs:
             out.append(f"{prefix}.separate_process=true needs {', '.join(f'{prefix}.{n}' for n in needs)} (the engine's model, memory "
                        "and streams are in its own process): change those, or set it to false")
+        if self.trainer_sm_percentage is not None and not (1 <= self.trainer_sm_percentage <= 100 and self.separate_process):
+            out.append(f"{prefix}.trainer_sm_percentage={self.trainer_sm_percentage} must be in 1..100 and needs {prefix}."
+                       "separate_process: true (in one process the engine would share the limit): fix it, or set it to null")
         if self.gdn_prefill_backend not in (None, "triton", "flashinfer"):
             out.append(f"{prefix}.gdn_prefill_backend={self.gdn_prefill_backend!r} is not one of triton, flashinfer (or null)")
         if self.max_batch_rows < 1:
@@ -332,21 +342,26 @@ class Sampler:
 
             path = hf_folder_for(policy.hparams.model_name, policy.hparams.gguf_file)
             rank = int(os.environ.get("LOCAL_RANK", "0"))
-            sampling = VLLMEngine(
-                path,
-                gpu_memory_utilization=engine.gpu_memory_utilization,
-                max_model_len=engine.max_model_len or max(rollout.max_trajectory_tokens, evaluation.max_trajectory_tokens),
-                enable_sleep_mode=engine.sleep_mode,
-                enforce_eager=engine.enforce_eager,
-                enable_prefix_caching=engine.prefix_caching,
-                dtype="bfloat16",
-                seed=seed + rank,
-                lora_rank=policy.lora.rank if engine.weight_sync == "lora" else None,
-                extra=engine.vllm_extra(path),
-                stop_strings=bool(rollout.stop_strings),  # evaluation's rollouts take the training ones' stop strings
-                high_priority_stream=engine.high_priority_stream,
-                separate_process=engine.separate_process,
-            )
+            with full_gpu_for_children(engine.trainer_sm_percentage):  # the engine core spawned with all the SMs
+                sampling = VLLMEngine(
+                    path,
+                    gpu_memory_utilization=engine.gpu_memory_utilization,
+                    max_model_len=engine.max_model_len or max(rollout.max_trajectory_tokens, evaluation.max_trajectory_tokens),
+                    enable_sleep_mode=engine.sleep_mode,
+                    enforce_eager=engine.enforce_eager,
+                    enable_prefix_caching=engine.prefix_caching,
+                    dtype="bfloat16",
+                    seed=seed + rank,
+                    lora_rank=policy.lora.rank if engine.weight_sync == "lora" else None,
+                    extra=engine.vllm_extra(path),
+                    stop_strings=bool(rollout.stop_strings),  # evaluation's rollouts take the training ones' stop strings
+                    high_priority_stream=engine.high_priority_stream,
+                    separate_process=engine.separate_process,
+                )
+            if engine.trainer_sm_percentage is not None and torch.cuda.is_available():
+                print(f"alfrl: CUDA MPS: this process may use {context_sm_count()} of the GPU's "
+                      f"{torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count} SMs "
+                      f"(data.engine.trainer_sm_percentage={engine.trainer_sm_percentage}); vLLM's engine core all of them", flush=True)
         pool = EnvPool(env.num_workers, env.step_timeout, env.reset_timeout) if with_pool else None
         return cls(sampling, pool, fmt, rollout, reward, evaluation, engine)
 
