@@ -1,11 +1,13 @@
-"""CUDA MPS: the trainer's share of the GPU's SMs beside vLLM's engine core in a process of its own.
+"""CUDA MPS: the trainer's share of the GPU's SMs, and its priority, beside vLLM's engine core in a process of its own.
 
 Two processes on one GPU take turns by time slices; under an MPS daemon (``nvidia-cuda-mps-control -d``, a user-space
 server that changes no GPU setting) their kernels run side by side, but the update's large kernels can still fill every
 SM and the engine's small decode steps wait for blocks to drain (on the H200 a rollout's last trajectories stepped at
 6.80-9.58 ms beside the update under MPS, 6.73-9.13 ms without, against 3.60 ms while the update was compiling its first
 pass; bench/leases/2026-12-04b.md). ``data.engine.trainer_sm_percentage`` caps this process's contexts at that share of the SMs
-(``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``, read when CUDA starts in a process) and the engine core is spawned with all of them.
+(``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``, read when CUDA starts in a process); ``data.engine.trainer_mps_priority:
+below_normal`` makes MPS schedule its work after the engine core's (``CUDA_MPS_CLIENT_PRIORITY``), as a stream priority
+would inside one process. The engine core is spawned with every SM and the normal priority.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import os
 import torch
 
 THREAD_PERCENTAGE = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
+CLIENT_PRIORITY = "CUDA_MPS_CLIENT_PRIORITY"  # 0: normal, 1: below normal (its work scheduled after the normal clients')
+PRIORITIES = {"normal": "0", "below_normal": "1"}
 
 
 def control_pipe() -> str:
@@ -23,20 +27,25 @@ def control_pipe() -> str:
     return os.path.join(os.environ.get("CUDA_MPS_PIPE_DIRECTORY") or "/tmp/nvidia-mps", "control")
 
 
-def limit_this_process(percentage: int | None) -> None:
-    """This process's CUDA contexts get ``percentage`` of the SMs (None: no limit). Called by ``alfrl fit`` once the
-    recipe is read, before anything initializes CUDA; a ValueError (one line) where no MPS daemon runs or CUDA has."""
-    if percentage is None:
+def limit_this_process(percentage: int | None, priority: str = "normal") -> None:
+    """This process's CUDA work gets ``percentage`` of the SMs (None: no limit) and MPS's client ``priority`` (``normal`` or
+    ``below_normal``). Called by ``alfrl fit`` once the recipe is read, before anything initializes CUDA; a ValueError
+    (one line) where no MPS daemon runs or CUDA already has."""
+    wanted = {THREAD_PERCENTAGE: None if percentage is None else str(percentage),
+              CLIENT_PRIORITY: None if priority == "normal" else PRIORITIES[priority]}
+    wanted = {k: v for k, v in wanted.items() if v is not None}
+    if not wanted:
         return
+    keys = " and ".join(([f"data.engine.trainer_sm_percentage={percentage}"] if percentage is not None else [])
+                        + ([f"data.engine.trainer_mps_priority={priority}"] if priority != "normal" else []))
     if not os.path.exists(control_pipe()):
-        raise ValueError(f"data.engine.trainer_sm_percentage={percentage} needs a CUDA MPS daemon and none runs here (no "
-                         f"{control_pipe()}): start one with `nvidia-cuda-mps-control -d` (and the same "
-                         "CUDA_MPS_PIPE_DIRECTORY), or set it to null")
-    if torch.cuda.is_initialized() and os.environ.get(THREAD_PERCENTAGE) != str(percentage):
-        raise ValueError(f"data.engine.trainer_sm_percentage={percentage}: this process's CUDA context had started before the "
-                         f"recipe was read, so the limit cannot apply: set {THREAD_PERCENTAGE}={percentage} in the "
-                         "environment of the command instead, or set it to null")
-    os.environ[THREAD_PERCENTAGE] = str(percentage)
+        raise ValueError(f"{keys} needs a CUDA MPS daemon and none runs here (no {control_pipe()}): start one with "
+                         "`nvidia-cuda-mps-control -d` (and the same CUDA_MPS_PIPE_DIRECTORY), or leave it at its default")
+    if torch.cuda.is_initialized() and any(os.environ.get(k) != v for k, v in wanted.items()):
+        set_them = " ".join(f"{k}={v}" for k, v in wanted.items())
+        raise ValueError(f"{keys}: this process's CUDA context had started before the recipe was read, so it cannot apply: "
+                         f"set {set_them} in the environment of the command instead, or leave it at its default")
+    os.environ.update(wanted)
 
 
 def context_sm_count() -> int | None:
@@ -58,17 +67,19 @@ def context_sm_count() -> int | None:
 
 
 @contextlib.contextmanager
-def full_gpu_for_children(percentage: int | None):
-    """Processes started inside (vLLM's engine core) get all the SMs although this one is limited to ``percentage``."""
-    if percentage is None:
+def full_gpu_for_children(limited: bool):
+    """Processes started inside (vLLM's engine core) get every SM and the normal priority although this one, ``limited``,
+    has less; this process's settings come back after."""
+    if not limited:
         yield
         return
-    before = os.environ.get(THREAD_PERCENTAGE)
-    os.environ[THREAD_PERCENTAGE] = "100"
+    before = {k: os.environ.get(k) for k in (THREAD_PERCENTAGE, CLIENT_PRIORITY)}
+    os.environ.update({THREAD_PERCENTAGE: "100", CLIENT_PRIORITY: PRIORITIES["normal"]})
     try:
         yield
     finally:
-        if before is None:
-            os.environ.pop(THREAD_PERCENTAGE, None)
-        else:
-            os.environ[THREAD_PERCENTAGE] = before
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

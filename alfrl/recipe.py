@@ -332,7 +332,8 @@ class AlfrlCLI(LightningCLI):
                 from alfrl.mps import limit_this_process
 
                 try:
-                    limit_this_process(data_dict(cfg.data)["engine"].trainer_sm_percentage)
+                    engine = data_dict(cfg.data)["engine"]
+                    limit_this_process(engine.trainer_sm_percentage, engine.trainer_mps_priority)
                 except ValueError as e:
                     raise RecipeError(str(e)) from None
 

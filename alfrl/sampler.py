@@ -31,6 +31,7 @@ from alfrl.engines import Engine, EngineCounters, HFEngine
 from alfrl.envs import EnvFailure, EnvGroup, EnvPool, EnvState
 from alfrl.evaluation import EvalConfig, game_record, run_eval
 from alfrl.games import Game
+from alfrl.mps import PRIORITIES as MPS_PRIORITIES
 from alfrl.mps import context_sm_count, full_gpu_for_children
 from alfrl.rewards import RewardConfig
 from alfrl.rollout import RolloutConfig, RolloutRunner, RolloutStats
@@ -109,6 +110,10 @@ class EngineConfig:
     engine core (``separate_process``) is spawned with all of them,
     so its small steps at the end of a rollout find SMs free beside the update of finished groups (alfrl/mps.py). null: no
     limit. Not yet run on a GPU (the plan: bench/leases/2026-12-04b.md "Next")."""
+    trainer_mps_priority: str = "normal"
+    """Under a CUDA MPS daemon, the priority of this process's GPU work: ``below_normal`` has MPS schedule it after the
+    engine core's (``CUDA_MPS_CLIENT_PRIORITY``; the core, ``separate_process``, is spawned at ``normal``), as the
+    high-priority stream did inside one process. Set like ``trainer_sm_percentage``. Not yet run on a GPU."""
     speculative_ngram_tokens: int = 0
     """vLLM: n-gram speculative decoding (prompt lookup, on the GPU): up to this many tokens per step proposed from the
     sequence's own history where its last ``speculative_ngram_min``..``speculative_ngram_max`` tokens occurred before,
@@ -189,6 +194,9 @@ class EngineConfig:
         if self.trainer_sm_percentage is not None and not (1 <= self.trainer_sm_percentage <= 100 and self.separate_process):
             out.append(f"{prefix}.trainer_sm_percentage={self.trainer_sm_percentage} must be in 1..100 and needs {prefix}."
                        "separate_process: true (in one process the engine would share the limit): fix it, or set it to null")
+        if self.trainer_mps_priority not in MPS_PRIORITIES or (self.trainer_mps_priority != "normal" and not self.separate_process):
+            out.append(f"{prefix}.trainer_mps_priority={self.trainer_mps_priority!r} must be one of {', '.join(MPS_PRIORITIES)}, and "
+                       f"below_normal needs {prefix}.separate_process: true (in one process the engine would share it): fix it")
         if self.gdn_prefill_backend not in (None, "triton", "flashinfer"):
             out.append(f"{prefix}.gdn_prefill_backend={self.gdn_prefill_backend!r} is not one of triton, flashinfer (or null)")
         if self.max_batch_rows < 1:
@@ -342,7 +350,8 @@ class Sampler:
 
             path = hf_folder_for(policy.hparams.model_name, policy.hparams.gguf_file)
             rank = int(os.environ.get("LOCAL_RANK", "0"))
-            with full_gpu_for_children(engine.trainer_sm_percentage):  # the engine core spawned with all the SMs
+            limited = engine.trainer_sm_percentage is not None or engine.trainer_mps_priority != "normal"
+            with full_gpu_for_children(limited):  # the engine core spawned with every SM, at the normal priority
                 sampling = VLLMEngine(
                     path,
                     gpu_memory_utilization=engine.gpu_memory_utilization,
@@ -358,10 +367,10 @@ class Sampler:
                     high_priority_stream=engine.high_priority_stream,
                     separate_process=engine.separate_process,
                 )
-            if engine.trainer_sm_percentage is not None and torch.cuda.is_available():
+            if limited and torch.cuda.is_available():
                 print(f"alfrl: CUDA MPS: this process may use {context_sm_count()} of the GPU's "
-                      f"{torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count} SMs "
-                      f"(data.engine.trainer_sm_percentage={engine.trainer_sm_percentage}); vLLM's engine core all of them", flush=True)
+                      f"{torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count} SMs at priority "
+                      f"{engine.trainer_mps_priority}; vLLM's engine core every SM at normal", flush=True)
         pool = EnvPool(env.num_workers, env.step_timeout, env.reset_timeout) if with_pool else None
         return cls(sampling, pool, fmt, rollout, reward, evaluation, engine)
 

@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from alfrl.mps import THREAD_PERCENTAGE, context_sm_count, full_gpu_for_children, limit_this_process
+from alfrl.mps import CLIENT_PRIORITY, THREAD_PERCENTAGE, context_sm_count, full_gpu_for_children, limit_this_process
 from alfrl.sampler import EngineConfig
 
 
@@ -16,13 +16,14 @@ def daemon(tmp_path, monkeypatch):
     """A folder standing in for a running MPS daemon's pipe directory (its control pipe a plain file here)."""
     monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path))
     monkeypatch.delenv(THREAD_PERCENTAGE, raising=False)
+    monkeypatch.delenv(CLIENT_PRIORITY, raising=False)
     return tmp_path
 
 
 def test_the_limit_is_set_for_this_process_only_where_a_daemon_runs(daemon, monkeypatch):
     limit_this_process(None)
     assert THREAD_PERCENTAGE not in os.environ
-    with pytest.raises(ValueError, match=r"trainer_sm_percentage=60 needs a CUDA MPS daemon .*nvidia-cuda-mps-control -d.*null") as e:
+    with pytest.raises(ValueError, match=r"trainer_sm_percentage=60 needs a CUDA MPS daemon .*nvidia-cuda-mps-control -d.*default") as e:
         limit_this_process(60)
     assert "\n" not in str(e.value) and THREAD_PERCENTAGE not in os.environ
     (daemon / "control").write_text("")
@@ -34,28 +35,47 @@ def test_the_limit_is_set_for_this_process_only_where_a_daemon_runs(daemon, monk
     limit_this_process(60)  # the context started under this very limit
     with pytest.raises(ValueError, match=rf"context had started .* set {THREAD_PERCENTAGE}=70 in the environment"):
         limit_this_process(70)
-    assert os.environ[THREAD_PERCENTAGE] == "60"
+    with pytest.raises(ValueError, match=rf"trainer_sm_percentage=60 and data.engine.trainer_mps_priority=below_normal: .*"
+                                         rf"set {THREAD_PERCENTAGE}=60 {CLIENT_PRIORITY}=1 in the environment"):
+        limit_this_process(60, "below_normal")
+    assert os.environ[THREAD_PERCENTAGE] == "60" and CLIENT_PRIORITY not in os.environ
 
 
-def test_processes_started_inside_get_every_sm_and_the_limit_comes_back(daemon, monkeypatch):
-    def child() -> str:
-        return subprocess.run([sys.executable, "-c", f"import os; print(os.environ.get({THREAD_PERCENTAGE!r}))"],
-                              capture_output=True, text=True, check=True).stdout.strip()
+def test_a_lower_priority_alone_is_set_where_a_daemon_runs(daemon, monkeypatch):
+    limit_this_process(None, "normal")
+    assert CLIENT_PRIORITY not in os.environ
+    with pytest.raises(ValueError, match=r"^data.engine.trainer_mps_priority=below_normal needs a CUDA MPS daemon"):
+        limit_this_process(None, "below_normal")
+    (daemon / "control").write_text("")
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    limit_this_process(None, "below_normal")
+    assert os.environ[CLIENT_PRIORITY] == "1" and THREAD_PERCENTAGE not in os.environ
+
+
+def test_processes_started_inside_get_every_sm_at_the_normal_priority_and_the_limits_come_back(daemon, monkeypatch):
+    def child() -> tuple[str, str]:
+        code = f"import os; print(os.environ.get({THREAD_PERCENTAGE!r}), os.environ.get({CLIENT_PRIORITY!r}))"
+        return tuple(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split())
 
     monkeypatch.setenv(THREAD_PERCENTAGE, "60")
-    with full_gpu_for_children(60):
-        assert child() == "100"
-    assert os.environ[THREAD_PERCENTAGE] == "60" and child() == "60"
-    with full_gpu_for_children(None):
-        assert child() == "60"
+    monkeypatch.setenv(CLIENT_PRIORITY, "1")
+    with full_gpu_for_children(True):
+        assert child() == ("100", "0")
+    assert child() == ("60", "1")
+    with full_gpu_for_children(False):
+        assert child() == ("60", "1")
     monkeypatch.delenv(THREAD_PERCENTAGE)
-    with pytest.raises(RuntimeError), full_gpu_for_children(60):
+    with pytest.raises(RuntimeError), full_gpu_for_children(True):
         raise RuntimeError("the engine failed to start")
-    assert THREAD_PERCENTAGE not in os.environ
+    assert THREAD_PERCENTAGE not in os.environ and os.environ[CLIENT_PRIORITY] == "1"
 
 
-def test_the_recipe_key_is_checked():
-    assert EngineConfig(kind="vllm", separate_process=True, trainer_sm_percentage=60).problems() == []
+def test_the_recipe_keys_are_checked():
+    assert EngineConfig(kind="vllm", separate_process=True, trainer_sm_percentage=60, trainer_mps_priority="below_normal").problems() == []
+    for bad in ("low", "below_normal"):
+        assert EngineConfig(kind="vllm", trainer_mps_priority=bad).problems() == [
+            f"data.engine.trainer_mps_priority={bad!r} must be one of normal, below_normal, and below_normal needs "
+            "data.engine.separate_process: true (in one process the engine would share it): fix it"]
     for bad in (dict(trainer_sm_percentage=0), dict(trainer_sm_percentage=101), dict(trainer_sm_percentage=60, separate_process=False)):
         cfg = {"kind": "vllm", "separate_process": True, **bad}
         assert EngineConfig(**cfg).problems() == [
@@ -93,12 +113,14 @@ def test_the_sampler_spawns_the_engine_with_every_sm(daemon, monkeypatch, tiny_m
     from alfrl.sampler import EnvConfig, Sampler
 
     monkeypatch.setenv(THREAD_PERCENTAGE, "55")
+    monkeypatch.setenv(CLIENT_PRIORITY, "1")
     seen = []
     stand_in = ModuleType("alfrl.vllm_engine")
-    stand_in.VLLMEngine = lambda path, **kwargs: seen.append(os.environ.get(THREAD_PERCENTAGE)) or object()
+    stand_in.VLLMEngine = lambda path, **kwargs: seen.append((os.environ.get(THREAD_PERCENTAGE), os.environ.get(CLIENT_PRIORITY))) or object()
     monkeypatch.setitem(sys.modules, "alfrl.vllm_engine", stand_in)
     policy = AlfrlPolicy(model_name=tiny_model_dir, dtype="float32", lora=LoRAConfig(rank=8, alpha=16))
-    engine = EngineConfig(kind="vllm", separate_process=True, trainer_sm_percentage=55)
-    Sampler.build(policy, RolloutConfig(), RewardConfig(), engine, EnvConfig(), EvalConfig(), with_pool=False)
-    assert seen == ["100"] and os.environ[THREAD_PERCENTAGE] == "55"
+    for engine in (EngineConfig(kind="vllm", separate_process=True, trainer_sm_percentage=55),
+                   EngineConfig(kind="vllm", separate_process=True, trainer_mps_priority="below_normal")):
+        Sampler.build(policy, RolloutConfig(), RewardConfig(), engine, EnvConfig(), EvalConfig(), with_pool=False)
+    assert seen == [("100", "0"), ("100", "0")] and os.environ[THREAD_PERCENTAGE] == "55" and os.environ[CLIENT_PRIORITY] == "1"
     assert context_sm_count() is None  # no CUDA driver here (on the GPU machine: the SMs the context may use)
