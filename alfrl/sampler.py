@@ -107,9 +107,9 @@ class EngineConfig:
     trainer_sm_percentage: int | None = None
     """Under a CUDA MPS daemon, the share (1-100) of the GPU's SMs this process's kernels (the update) may use, set by
     ``alfrl fit`` once the recipe is read, before CUDA starts (the SMs it got are printed when the engine has started); the
-    engine core (``separate_process``) is spawned with all of them,
-    so its small steps at the end of a rollout find SMs free beside the update of finished groups (alfrl/mps.py). null: no
-    limit. Not yet run on a GPU (the plan: bench/leases/2026-12-04b.md "Next")."""
+    engine core (``separate_process``) is spawned with all of them, so its small steps at the end of a rollout find SMs
+    free beside the update of finished groups (alfrl/mps.py). null: no limit. Not yet run on a GPU (the plan:
+    bench/leases/2026-12-04b.md "Next")."""
     trainer_mps_priority: str = "normal"
     """Under a CUDA MPS daemon, the priority of this process's GPU work: ``below_normal`` has MPS schedule it after the
     engine core's (``CUDA_MPS_CLIENT_PRIORITY``; the core, ``separate_process``, is spawned at ``normal``), as the

@@ -3,9 +3,9 @@ in one of its own (``separate_process``: the adapter then goes to it as a peft f
 
 Requests are submitted and stepped (``submit`` / ``step``) so the rollout keeps the engine busy without a round barrier;
 ``generate`` waits for a batch. The trained LoRA adapter is served unmerged from memory (``load_adapter``, the default
-sync) or merged weights are loaded (``update_weights``); both count what vLLM took. Vision-language checkpoints (Qwen3.5) start with ``language_model_only``
-and the trainer's text-stack names (``model.layers.*``) are renamed to the checkpoint's
-(``model.language_model.layers.*``) before vLLM maps them to its own.
+sync) or merged weights are loaded (``update_weights``); both count what vLLM took. Vision-language checkpoints (Qwen3.5)
+start with ``language_model_only`` and the trainer's text-stack names (``model.layers.*``) are renamed to the
+checkpoint's (``model.language_model.layers.*``) before vLLM maps them to its own.
 """
 
 from __future__ import annotations
@@ -375,8 +375,8 @@ class VLLMEngine:
         self._next_lora_id += 1
         name = f"alfrl-v{adapter.version}-{lora_id}"
         dtype = getattr(getattr(getattr(self.llm.llm_engine, "vllm_config", None), "lora_config", None), "lora_dtype", None)
-        folder = write_adapter_folder(adapter, os.path.join(self._adapter_root, name), self.checkpoint_name, dtype
-                                      if isinstance(dtype, torch.dtype) else None)
+        dtype = dtype if isinstance(dtype, torch.dtype) else None  # what vLLM's loader casts the tensors to
+        folder = write_adapter_folder(adapter, os.path.join(self._adapter_root, name), self.checkpoint_name, dtype)
         request = LoRARequest(name, lora_id, lora_path=folder)
         try:
             with self._core_alive():
