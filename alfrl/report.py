@@ -164,7 +164,11 @@ TRAIN_COLUMNS = {
     "dropped_groups": "rollout/dropped_groups",
     "seconds_rollout": "rollout/seconds",
     "seconds_update": "train/update_seconds",
+    "seconds_sync": "sync/total_seconds",
 }
+STEP_PARTS = ("seconds_rollout", "seconds_update", "seconds_sync")
+"""A training step's wall time in the log: the rollout, the update's part after it (with ``update_during_rollout`` the rest
+ran beside the rollout) and the weight sync; their sum is the row's ``seconds_step``."""
 
 
 def _log_order(f: Path) -> tuple[int, float, str]:
@@ -201,8 +205,21 @@ def training_rows(sources: list[str]) -> list[dict]:
                 for name, col in TRAIN_COLUMNS.items():
                     value = rec.get(col)
                     row[name] = float(value) if value not in (None, "") else None
+                parts = [row[k] for k in STEP_PARTS]
+                row["seconds_step"] = None if None in parts else sum(parts)
                 by_step[row["step"]] = row
     return [by_step[k] for k in sorted(by_step)]
+
+
+def training_markdown(rows: list[dict]) -> str:
+    """Where the training steps' time went: mean, min and max seconds of each part over the logged updates."""
+    lines = [f"\n## Training steps ({len(rows)} updates, seconds)\n", "| part | mean | min | max |", "|---|---|---|---|"]
+    for key, label in (("seconds_step", "step"), ("seconds_rollout", "rollout"), ("seconds_update", "update after the rollout"),
+                       ("seconds_sync", "weight sync")):
+        values = [r[key] for r in rows if r.get(key) is not None]
+        if values:
+            lines.append(f"| {label} | {sum(values) / len(values):.2f} | {min(values):.2f} | {max(values):.2f} |")
+    return "\n".join(lines) + "\n" if len(lines) > 3 else ""
 
 
 def training_outputs(rows: list[dict], out: Path) -> list[Path]:
@@ -215,7 +232,7 @@ def training_outputs(rows: list[dict], out: Path) -> list[Path]:
 
     table = out / "training.csv"
     with open(table, "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=["step", *TRAIN_COLUMNS])
+        writer = csv.DictWriter(fh, fieldnames=["step", *TRAIN_COLUMNS, "seconds_step"])
         writer.writeheader()
         writer.writerows(rows)
     steps = [r["step"] + 1 for r in rows]  # update number (1-based)
@@ -256,13 +273,15 @@ def main(argv: list[str]) -> int:
         return 2
     runs = [(name, summary) for name, summary, _ in loaded]
     text = markdown(runs) + (paired_markdown(loaded) if len(loaded) > 1 else "")
+    train_rows = training_rows(args.train_log) if args.train_log else []
+    text += training_markdown(train_rows) if train_rows else ""
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.md").write_text(text)
     (out / "summaries.json").write_text(json.dumps({name: s for name, s in runs}, indent=2))
     files = charts(runs, out)
-    if args.train_log:
-        files += training_outputs(training_rows(args.train_log), out)
+    if train_rows:
+        files += training_outputs(train_rows, out)
     if args.html:
         from alfrl.html_report import build_page
 

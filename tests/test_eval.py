@@ -173,18 +173,20 @@ def test_report_training_curves_merge_a_resumed_run(tmp_path):
     from alfrl.report import main as report_main
     from alfrl.report import training_rows
 
-    header = "epoch,rollout/invalid_actions_mean,rollout/reward_mean,rollout/success_rate,rollout/trajectories,step,train/loss\n"
+    header = ("epoch,rollout/invalid_actions_mean,rollout/reward_mean,rollout/success_rate,rollout/trajectories,step,train/loss,"
+              "rollout/seconds,train/update_seconds,sync/total_seconds\n")
     v0 = tmp_path / "run" / "csv" / "version_0"
     v1 = tmp_path / "run" / "csv" / "version_1"
     v0.mkdir(parents=True)
     v1.mkdir(parents=True)
-    (v0 / "metrics.csv").write_text(header + "0,3.0,-0.3,0.0,64,0,\n0,,,,,0,0.5\n0,2.0,-0.1,0.125,64,1,\n")
-    (v1 / "metrics.csv").write_text(header + "0,1.5,0.05,0.25,64,1,\n0,1.0,0.2,0.375,64,2,\n")
+    (v0 / "metrics.csv").write_text(header + "0,3.0,-0.3,0.0,64,0,,20.0,6.0,0.5\n0,,,,,0,0.5,,,\n0,2.0,-0.1,0.125,64,1,,,,\n")
+    (v1 / "metrics.csv").write_text(header + "0,1.5,0.05,0.25,64,1,,30.0,1.0,0.5\n0,1.0,0.2,0.375,64,2,,16.0,5.0,0.5\n")
     rows = training_rows([str(tmp_path / "run")])
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert [r["reward"] for r in rows] == [-0.3, 0.05, 0.2]
     assert [r["success"] for r in rows] == [0.0, 0.25, 0.375]
     assert [r["invalid_actions"] for r in rows] == [3.0, 1.5, 1.0]
+    assert [r["seconds_step"] for r in rows] == [26.5, 31.5, 21.5]  # rollout + the update after it + sync
 
     result = tmp_path / "result.jsonl"
     header_rec = {"type": "header", "config": {}, "config_hash": "x", "games": ["g"]}
@@ -198,6 +200,9 @@ def test_report_training_curves_merge_a_resumed_run(tmp_path):
     assert report_main([str(result), "--out", str(out), "--train-log", str(tmp_path / "run")]) == 0
     assert (out / "training.csv").read_text().splitlines()[0].startswith("step,reward,success,invalid_actions")
     assert len((out / "training.csv").read_text().splitlines()) == 4
+    report = (out / "report.md").read_text()
+    assert "## Training steps (3 updates, seconds)" in report and "| step | 26.50 | 21.50 | 31.50 |" in report
+    assert "| update after the rollout | 4.00 | 1.00 | 6.00 |" in report
     assert (out / "training_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(SystemExit, match="no metrics.csv"):
         training_rows([str(tmp_path / "report")])
