@@ -83,8 +83,9 @@ def test_the_recipe_keys_are_checked():
             "true (in one process the engine would share the limit): fix it, or set it to null"]
 
 
-def test_alfrl_fit_limits_its_process_before_any_model_loads(daemon, tiny_model_dir, capfd):
-    """The limit is set once the recipe is read (before the model's dtype check initializes CUDA); no daemon: a recipe error."""
+def test_alfrl_fit_limits_its_process_before_any_model_loads(daemon, tiny_model_dir, capfd, monkeypatch):
+    """The limit is set once the recipe is read, before anything asks CUDA (``is_available`` initializes the driver, which
+    is when a client connects to the MPS daemon); no daemon: a recipe error."""
     from tests.helpers import alfrl_here
 
     args = ["fit", "--config", "recipes/tiny.yaml", "--model.model_name", tiny_model_dir, "--data.engine.kind", "vllm",
@@ -95,9 +96,11 @@ def test_alfrl_fit_limits_its_process_before_any_model_loads(daemon, tiny_model_
         "alfrl: recipe error: data.engine.trainer_sm_percentage=60 needs a CUDA MPS daemon"), out.stderr
     assert "Traceback" not in out.stderr and THREAD_PERCENTAGE not in os.environ
     (daemon / "control").write_text("")
+    asked = []  # the limit as each CUDA query found it
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: asked.append(os.environ.get(THREAD_PERCENTAGE)) or False)
     out = alfrl_here(capfd, *args)  # on to the engine, which needs a GPU
     assert out.returncode != 0 and "the vllm engine needs" in out.stderr, out.stderr[-2000:]
-    assert os.environ[THREAD_PERCENTAGE] == "60"
+    assert os.environ[THREAD_PERCENTAGE] == "60" and asked and set(asked) == {"60"}
 
 
 def test_the_sampler_spawns_the_engine_with_every_sm(daemon, monkeypatch, tiny_model_dir):
