@@ -1,16 +1,15 @@
 """Grouped multi-turn rollouts: K trajectories per game, played without a round barrier.
 
-For a batch of games, each game gets a group of K environments that start from the identical
-state (checked). The first turn of a group is one request with n=K on the shared prompt; after that
-each trajectory asks for its next turn the moment its environment step returns.
+For a batch of games, each game gets a group of K environments that start from the identical state (checked). The first
+turn of a group is one request with n=K on the shared prompt; after that each trajectory asks for its next turn the moment
+its environment step returns.
 
-``schedule: async`` (the default) keeps the engine and the environment workers busy together: a
-trajectory's next request is submitted as soon as its environment answered, environment steps of
-some trajectories run while others generate, and a group starts generating as soon as its own
-resets are done. No turn waits for the slowest completion or the slowest environment.
-``schedule: rounds`` is the old barrier (every live trajectory generates, then every environment
-steps, then the next round); it gives the same trajectories for the same seeds wherever sampling
-is deterministic (every request carries its own seed), and stays for comparison.
+``schedule: async`` (the default) keeps the engine and the environment workers busy together: a trajectory's next request
+is submitted as soon as its environment answered, environment steps of some trajectories run while others generate, and a
+group starts generating as soon as its own resets are done. No turn waits for the slowest completion or environment.
+``schedule: rounds`` is the old barrier (every live trajectory generates, then every environment steps, then the next
+round); it gives the same trajectories for the same seeds wherever sampling is deterministic (every request carries its
+own seed), and stays for comparison.
 
 A trajectory ends with one of ``STOP_REASONS``. An environment that fails ends only its own
 trajectory (``env_error``); a group whose environments do not start identically is recorded as
@@ -58,15 +57,13 @@ class RolloutConfig:
     max_trajectory_tokens: int = 12000
     max_assistant_tokens: int = 2048
     stop_strings: tuple[str, ...] = ()
-    """End a completion right after the first of these texts (e.g. ``</action>`` for models that keep
-    writing imagined observations after their action). The completion keeps exactly the sampled
-    tokens up to the one that completes the text, as if sampling had stopped there."""
+    """End a completion right after the first of these texts (e.g. ``</action>`` for models that keep writing imagined
+    observations after their action): it keeps the sampled tokens up to the one that completes the text."""
     schedule: str = "async"
-    """``async``: each trajectory's next turn is submitted when its environment answered (no barrier);
-    ``rounds``: every live trajectory generates, then every environment steps (the old runner)."""
+    """``async``: a trajectory's next turn goes out when its environment answered; ``rounds``: the old barrier runner."""
     max_live_games: int = 0
-    """At most this many games played at once (0: all): the next game starts when one ends, so the
-    engine's KV cache holds the live trajectories instead of thrashing (an evaluation of 274 games)."""
+    """At most this many games played at once (0: all): the next game starts when one ends, so the engine's KV cache holds
+    the live trajectories instead of thrashing (an evaluation of 274 games)."""
 
     def problems(self, prefix: str = "data.rollout") -> list[str]:
         out = []
@@ -483,6 +480,7 @@ def rollout_metrics(groups: list[TrajectoryGroup], prefix: str = "rollout/") -> 
     trajs = [t for g in groups for t in g.trajectories]
     n = max(len(trajs), 1)
     tokens = [completion_tokens(t) for t in trajs]
+    turns = [u for t in trajs for u in t.turns]
     metrics = {
         "reward_mean": sum(t.reward for t in trajs) / n,
         "success_rate": sum(t.won for t in trajs) / n,
@@ -491,6 +489,9 @@ def rollout_metrics(groups: list[TrajectoryGroup], prefix: str = "rollout/") -> 
         # sampled tokens per trajectory: the longest sets how long an asynchronous rollout takes
         "completion_tokens_mean": sum(tokens) / n,
         "completion_tokens_max": float(max(tokens, default=0)),
+        # turns cut off by a token limit (invalid) and the longest well-formed one: what a lower max_assistant_tokens would cost
+        "turns_cut_off": sum(u.finish_reason == "length" for u in turns) / max(len(turns), 1),
+        "valid_turn_tokens_max": float(max((u.completion_tokens for u in turns if u.valid_format), default=0)),
         "trajectories": float(len(trajs)),
         "failed_groups": float(sum(g.failed is not None for g in groups)),
     }

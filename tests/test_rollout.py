@@ -184,6 +184,11 @@ def test_tiny_model_rollout_through_the_hf_engine_round_trips_jsonl(valid_games,
     assert read_jsonl(path) == trajs
     metrics = rollout_metrics(groups)
     assert metrics["rollout/trajectories"] == 6.0
+    turns = [u for t in trajs for u in t.turns]  # the tiny random model rarely closes a call within 40 tokens
+    cut = [u for u in turns if u.finish_reason == "length"]
+    assert cut and all(u.completion_tokens <= 40 and not u.valid_format for u in cut)
+    assert metrics["rollout/turns_cut_off"] == len(cut) / len(turns)
+    assert metrics["rollout/valid_turn_tokens_max"] == max((u.completion_tokens for u in turns if u.valid_format), default=0)
     assert sum(metrics[f"rollout/stop/{r}"] for r in ("won", "env_done", "max_steps", "trajectory_too_long", "env_error")) == pytest.approx(1.0)
 
 
