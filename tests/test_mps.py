@@ -1,4 +1,4 @@
-"""alfrl.mps: the trainer's share of the SMs under a CUDA MPS daemon, and the engine core spawned with all of them."""
+"""alfrl.mps: the trainer's share of the SMs and its priority under a CUDA MPS daemon; the engine core spawned with all of them."""
 
 import os
 import subprocess
@@ -30,7 +30,7 @@ def test_the_limit_is_set_for_this_process_only_where_a_daemon_runs(daemon, monk
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
     limit_this_process(60)
     assert os.environ[THREAD_PERCENTAGE] == "60"
-    limit_this_process(60)  # made again (a second DataModule): the same limit stands
+    limit_this_process(60)  # set again (a second fit in this process): the same limit stands
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     limit_this_process(60)  # the context started under this very limit
     with pytest.raises(ValueError, match=rf"context had started .* set {THREAD_PERCENTAGE}=70 in the environment"):
