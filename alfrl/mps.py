@@ -27,17 +27,24 @@ def control_pipe() -> str:
     return os.path.join(os.environ.get("CUDA_MPS_PIPE_DIRECTORY") or "/tmp/nvidia-mps", "control")
 
 
+def limits(percentage: int | None, priority: str = "normal") -> dict[str, tuple[str, str]]:
+    """What these recipe values ask of MPS: each key set (``key=value``) -> (its environment variable, the value)."""
+    out = {}
+    if percentage is not None:
+        out[f"data.engine.trainer_sm_percentage={percentage}"] = (THREAD_PERCENTAGE, str(percentage))
+    if priority != "normal":
+        out[f"data.engine.trainer_mps_priority={priority}"] = (CLIENT_PRIORITY, PRIORITIES[priority])
+    return out
+
+
 def limit_this_process(percentage: int | None, priority: str = "normal") -> None:
     """This process's CUDA work gets ``percentage`` of the SMs (None: no limit) and MPS's client ``priority`` (``normal`` or
     ``below_normal``). Called by ``alfrl fit`` once the recipe is read, before anything initializes CUDA; a ValueError
     (one line) where no MPS daemon runs or CUDA already has."""
-    wanted = {THREAD_PERCENTAGE: None if percentage is None else str(percentage),
-              CLIENT_PRIORITY: None if priority == "normal" else PRIORITIES[priority]}
-    wanted = {k: v for k, v in wanted.items() if v is not None}
-    if not wanted:
+    asked = limits(percentage, priority)
+    if not asked:
         return
-    keys = " and ".join(([f"data.engine.trainer_sm_percentage={percentage}"] if percentage is not None else [])
-                        + ([f"data.engine.trainer_mps_priority={priority}"] if priority != "normal" else []))
+    keys, wanted = " and ".join(asked), dict(asked.values())
     if not os.path.exists(control_pipe()):
         raise ValueError(f"{keys} needs a CUDA MPS daemon and none runs here (no {control_pipe()}): start one with "
                          "`nvidia-cuda-mps-control -d` (and the same CUDA_MPS_PIPE_DIRECTORY), or leave it at its default")

@@ -31,8 +31,7 @@ from alfrl.engines import Engine, EngineCounters, HFEngine
 from alfrl.envs import EnvFailure, EnvGroup, EnvPool, EnvState
 from alfrl.evaluation import EvalConfig, game_record, run_eval
 from alfrl.games import Game
-from alfrl.mps import PRIORITIES as MPS_PRIORITIES
-from alfrl.mps import context_sm_count, full_gpu_for_children
+from alfrl.mps import PRIORITIES as MPS_PRIORITIES, context_sm_count, full_gpu_for_children, limits as mps_limits
 from alfrl.rewards import RewardConfig
 from alfrl.rollout import RolloutConfig, RolloutRunner, RolloutStats
 from alfrl.sync import SYNC_MODES, WeightSync
@@ -352,7 +351,7 @@ class Sampler:
 
             path = hf_folder_for(policy.hparams.model_name, policy.hparams.gguf_file)
             rank = int(os.environ.get("LOCAL_RANK", "0"))
-            limited = engine.trainer_sm_percentage is not None or engine.trainer_mps_priority != "normal"
+            limited = bool(mps_limits(engine.trainer_sm_percentage, engine.trainer_mps_priority))
             with full_gpu_for_children(limited):  # the engine core spawned with every SM, at the normal priority
                 sampling = VLLMEngine(
                     path,
