@@ -111,6 +111,22 @@ class AdapterWeights:
         names = {k.removeprefix("base_model.model.").rsplit(".lora_", 1)[0] for k in self.tensors}
         return sorted(names)
 
+    def write_folder(self, folder: str, name: Callable[[str], str] = lambda n: n, dtype: torch.dtype | None = None) -> str:
+        """This adapter as peft saves one (``adapter_config.json``, ``adapter_model.safetensors``) in ``folder``, tensor
+        names through ``name``: what vLLM's ``add_lora`` loads in an engine of its own process. ``dtype``: cast on their
+        device to what vLLM's loader casts them to anyway (its ``lora_dtype``): the same values, half the bytes of float32."""
+        import json
+        import os
+
+        from safetensors.torch import save_file
+
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, "adapter_config.json"), "w") as f:
+            json.dump(self.plain_config, f, default=str)
+        save_file({name(k): v.detach().to(dtype or v.dtype).to("cpu", copy=True).contiguous() for k, v in self.tensors.items()},
+                  os.path.join(folder, "adapter_model.safetensors"))
+        return folder
+
 
 class Engine(Protocol):
     name: str

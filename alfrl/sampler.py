@@ -369,9 +369,10 @@ class Sampler:
                     separate_process=engine.separate_process,
                 )
             if limited and torch.cuda.is_available():
-                print(f"alfrl: CUDA MPS: this process may use {context_sm_count()} of the GPU's "
-                      f"{torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count} SMs at priority "
-                      f"{engine.trainer_mps_priority}; vLLM's engine core every SM at normal", flush=True)
+                # not "of the GPU's N": under an MPS limit the device reports the limited count to this process too
+                print(f"alfrl: CUDA MPS: this process may use {context_sm_count()} SMs (trainer_sm_percentage "
+                      f"{engine.trainer_sm_percentage}) at priority {engine.trainer_mps_priority}; vLLM's engine core "
+                      "every SM at normal", flush=True)
         pool = EnvPool(env.num_workers, env.step_timeout, env.reset_timeout) if with_pool else None
         return cls(sampling, pool, fmt, rollout, reward, evaluation, engine)
 

@@ -92,12 +92,15 @@ class WeightSync:
         """Running sums over the syncs above the noise floor: sum(d_e d_t) and sum(d_t d_t)."""
         self.norm = 0.0
 
-    def push(self, policy) -> tuple[int, int]:
-        """(taken, expected): what the engine took of the adapter's modules / the merged tensors."""
+    def push(self, policy) -> tuple[int, int, float]:
+        """(taken, expected, seconds): what the engine took of the adapter's modules / the merged tensors, and the seconds
+        the trainer took to gather the adapter (before the engine's part)."""
+        start = time.perf_counter()
         adapter = policy.adapter_weights()
+        gathered = time.perf_counter() - start
         if self.mode == "lora":
-            return self.engine.load_adapter(adapter), len(adapter.modules)
-        return self.engine.update_weights(policy.merged_weights()), len(adapter.modules)
+            return self.engine.load_adapter(adapter), len(adapter.modules), gathered
+        return self.engine.update_weights(policy.merged_weights()), len(adapter.modules), gathered
 
     def sync(self, policy, push: bool = True) -> dict[str, float]:
         """Push and check; returns the ``sync/`` metrics. ``push=False`` skips the push itself (the
@@ -106,9 +109,12 @@ class WeightSync:
         before = self._score(f"before pushing weight version {policy.weight_version}") \
             if self.check and not self.engine.shares_policy else None
         start = time.perf_counter()
-        taken, expected = self.push(policy) if push else (0, 0)
+        taken, expected, gathered = self.push(policy) if push else (0, 0, 0.0)
         metrics = {"sync/seconds": time.perf_counter() - start, "sync/weight_version": float(policy.weight_version),
-                   "sync/taken": float(taken), "sync/expected": float(expected)}
+                   "sync/taken": float(taken), "sync/expected": float(expected), "sync/gather_seconds": gathered}
+        # where a separate engine process's push went (vllm_engine: write, load, swap)
+        if push:
+            metrics.update({f"sync/{phase}_seconds": v for phase, v in (getattr(self.engine, "push_seconds", None) or {}).items()})
         if taken != expected:
             raise WeightSyncError(f"the {self.engine.name} engine took {taken} of the {expected} pushed {self.mode} weights")
         if not self.check:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import time
 from collections.abc import Iterable
 
 import torch
@@ -82,22 +83,6 @@ def scored_token(out, token: int) -> float:
     return float(steps[0][token].logprob)
 
 
-def write_adapter_folder(adapter: AdapterWeights, folder: str, name=lambda n: n, dtype: torch.dtype | None = None) -> str:
-    """``adapter`` as peft saves one (``adapter_config.json``, ``adapter_model.safetensors``) in ``folder``, tensor names
-    through ``name``: what vLLM's ``add_lora`` loads in an engine of its own process. ``dtype``: cast on their device to
-    what vLLM's loader casts them to anyway (its ``lora_dtype``): the same values served, half the bytes; None: float32."""
-    import json
-
-    from safetensors.torch import save_file
-
-    os.makedirs(folder, exist_ok=True)
-    with open(os.path.join(folder, "adapter_config.json"), "w") as f:
-        json.dump(adapter.plain_config, f, default=str)
-    save_file({name(k): v.detach().to(dtype or v.dtype).to("cpu", copy=True).contiguous() for k, v in adapter.tensors.items()},
-              os.path.join(folder, "adapter_model.safetensors"))
-    return folder
-
-
 class VLLMEngine:
     """A vLLM ``LLM`` on token prompts, with prefix caching.
 
@@ -110,7 +95,7 @@ class VLLMEngine:
     H200, 2026-12-02, a rollout's engine generated 74,332 tokens of which the trajectories kept 53,253).
     With ``separate_process`` vLLM's engine core (scheduler, model runner, CUDA graphs) runs in a process vLLM spawns
     (``VLLM_ENABLE_V1_MULTIPROCESSING=1``) and steps the GPU while this one handles environments, outputs and the
-    update; ``submit`` / ``step`` / ``score`` are unchanged, the adapter goes as a peft folder (``write_adapter_folder``)
+    update; ``submit`` / ``step`` / ``score`` are unchanged, the adapter goes as a peft folder (``AdapterWeights.write_folder``)
     through vLLM's ``add_lora``; merged pushes and sleep mode reach into its model and memory and are refused.
     """
 
@@ -157,6 +142,9 @@ class VLLMEngine:
         self._lora = None  # the LoRARequest every request carries once an adapter is loaded
         self._lora_model = None
         self._next_lora_id = 1
+        self.push_seconds: dict[str, float] = {}
+        """The last adapter push's phases (separate_process): write (the peft folder), load (``add_lora``), swap (the
+        previous adapter removed, the prefix cache reset)."""
         self._submitted = 0
         self.sleep_freed_gib: float | None = None  # GPU memory the last sleep handed back (weights offloaded, KV cache dropped)
         self._kept_bytes = 0
@@ -376,11 +364,14 @@ class VLLMEngine:
         name = f"alfrl-v{adapter.version}-{lora_id}"
         dtype = getattr(getattr(getattr(self.llm.llm_engine, "vllm_config", None), "lora_config", None), "lora_dtype", None)
         dtype = dtype if isinstance(dtype, torch.dtype) else None  # what vLLM's loader casts the tensors to
-        folder = write_adapter_folder(adapter, os.path.join(self._adapter_root, name), self.checkpoint_name, dtype)
+        clock = [time.perf_counter()]
+        folder = adapter.write_folder(os.path.join(self._adapter_root, name), self.checkpoint_name, dtype)
+        clock.append(time.perf_counter())
         request = LoRARequest(name, lora_id, lora_path=folder)
         try:
             with self._core_alive():
                 loaded, why = self.llm.llm_engine.add_lora(request), "add_lora returned False"
+                clock.append(time.perf_counter())
         except EngineError:  # a dead core, said as such by _core_alive
             shutil.rmtree(folder, ignore_errors=True)
             raise
@@ -395,6 +386,8 @@ class VLLMEngine:
             self.llm.llm_engine.remove_lora(previous.lora_int_id)
             shutil.rmtree(os.path.join(self._adapter_root, previous.lora_name), ignore_errors=True)
         self.llm.reset_prefix_cache()
+        clock.append(time.perf_counter())
+        self.push_seconds = dict(zip(("write", "load", "swap"), (b - a for a, b in zip(clock, clock[1:]))))
         return len(adapter.modules)
 
     def _register(self, lora, name: str) -> None:

@@ -42,8 +42,11 @@ def test_a_real_sync_is_counted_and_followed_and_a_skipped_one_is_caught(setup, 
     assert n_modules == 14  # 2 layers x (q, k, v, o, gate, up, down)
     assert first["sync/taken"] == first["sync/expected"] == n_modules
     assert first["sync/probe_abs_logprob_diff"] < 1e-4
+    assert 0 <= first["sync/gather_seconds"] <= first["sync/seconds"] and "sync/load_seconds" not in first
     _train(policy, 1)
+    engine.push_seconds = {"write": 0.25, "load": 0.5}  # what the vLLM engine in a process of its own says of a push
     second = sync.sync(policy)
+    assert (second["sync/write_seconds"], second["sync/load_seconds"]) == (0.25, 0.5)
     assert second["sync/trainer_change"] > 1e-3  # the update moved the probe
     assert second["sync/engine_response"] == pytest.approx(1.0, abs=1e-3)  # and the engine followed it
     _train(policy, 2, scale=0.005)
@@ -89,7 +92,7 @@ def test_an_engine_that_does_not_follow_the_trainer_is_caught_by_the_running_res
     _train(policy, 4, scale=0.01)
     trained = policy.adapter_weights()
     backwards = {k: 2 * start[k] - v for k, v in trained.tensors.items()}  # the engine moves the other way
-    sync.push = lambda p: (engine.load_adapter(AdapterWeights(backwards, trained.config, trained.version)), len(trained.modules))
+    sync.push = lambda p: (engine.load_adapter(AdapterWeights(backwards, trained.config, trained.version)), len(trained.modules), 0.0)
     with pytest.raises(WeightSyncError, match="followed only -"):
         sync.sync(policy)
 
@@ -105,7 +108,7 @@ def test_the_running_response_passes_a_partly_followed_sync(setup):
         trained = policy.adapter_weights()
         engine_state = {k: engine_state[k] + 0.3 * (v - start[k]) for k, v in trained.tensors.items()}
         sync.push = lambda p, pushed=engine_state, trained=trained: (
-            engine.load_adapter(AdapterWeights(pushed, trained.config, trained.version)), len(trained.modules))
+            engine.load_adapter(AdapterWeights(pushed, trained.config, trained.version)), len(trained.modules), 0.0)
         metrics = sync.sync(policy)
         assert 0.2 < metrics["sync/engine_response"] < 0.4
         assert 0.2 < metrics["sync/engine_response_running"] < 0.4

@@ -121,6 +121,7 @@ def test_an_adapter_reaches_a_separate_engine_as_a_peft_folder_and_only_the_serv
     first = engine._lora
     files = ["adapter_config.json", "adapter_model.safetensors"]
     assert calls == [("add", first.lora_int_id, files), "reset"]
+    assert sorted(engine.push_seconds) == ["load", "swap", "write"] and min(engine.push_seconds.values()) >= 0  # sync/<phase>_seconds
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # peft's loading would pin memory for the GPU
     loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32), first.lora_path)
     mine = dict(policy.model.named_parameters())
