@@ -1,7 +1,7 @@
 """One GPU process, one engine, side by side: the Sampler's speed, the weight sync's checks, the update's MFU.
 
     python bench/sampler_bench.py --recipe recipes/qwen15b_coder_h200.yaml --out bench.json [--eval-out base.jsonl]
-        [--phases ceiling runners replay eval update sync] [--dry]
+        [--phases ceiling runners replay eval update sync decode] [--dry]
 
 Phases (figures into one JSON; each phase's errors are recorded, the others still run):
 - ceiling: the engine alone (no environment): 8 groups x 8 sequences sharing a 1,000-token start,
@@ -24,6 +24,9 @@ Phases (figures into one JSON; each phase's errors are recorded, the others stil
 - sync: in the recipe's sync mode (run twice, ``--data.engine.weight_sync=lora`` then ``=merged``, for
   the side by side): decode speed of one batch with a non-zero adapter, the probe gap and response
   after 1 and 10 updates at lr 1e-6, and skipped syncs after an update at lr 1e-6 and at 1e-4.
+- decode: for each of ``--decode-rows`` (1 8 64), that many random 1,000-token prompts each sampling ``--decode-tokens``
+  (256), with a non-zero adapter served and on the same engine without it (two passes, alternating): what serving the
+  LoRA costs per engine step where a rollout's tail runs (a few rows) and where its bulk does.
 
 ``--dry`` runs the phases that need no vLLM on the CPU with the recipe's HF engine (tiny model).
 """
@@ -159,7 +162,8 @@ def decode_speed(sampler, policy, rows: int = 64, prompt: int = 1000, tokens: in
         for name, lora in served.items():
             engine.llm.reset_prefix_cache()
             _, seconds = timed(lambda: engine.llm.generate(prompts, params, use_tqdm=False, lora_request=lora))
-            runs.append({"requests": name, "seconds": seconds, "generated_tokens_per_second": rows * tokens / seconds})
+            runs.append({"requests": name, "seconds": seconds, "generated_tokens_per_second": rows * tokens / seconds,
+                         "ms_per_token_step": 1000 * seconds / tokens})  # every row samples one token a step (prefill in)
     return {"rows": rows, "prompt_tokens": prompt, "generated_tokens": tokens, "runs": runs}
 
 
@@ -227,9 +231,13 @@ def main() -> None:
                         "run: the same work on this run's engine settings) instead of this run's own rollout")
     parser.add_argument("--no-sync", action="store_true", help="no sync before the phases (the engine's base weights, no "
                         "adapter served: how the runners and the replay ran until 2026-12-03)")
+    parser.add_argument("--decode-rows", nargs="+", type=int, default=[1, 8, 64], help="decode phase: batch sizes")
+    parser.add_argument("--decode-tokens", type=int, default=256, help="decode phase: tokens each row samples")
     parser.add_argument("--dry", action="store_true", help="CPU check with the recipe's HF engine (no vLLM phases)")
     parser.add_argument("overrides", nargs="*", help="recipe overrides, e.g. --data.engine.gpu_memory_utilization=0.5")
     args = parser.parse_args()
+    if min(args.decode_rows) < 1 or args.decode_tokens < 1:
+        parser.error(f"--decode-rows {args.decode_rows} --decode-tokens {args.decode_tokens}: give 1 or more of each")
     if args.repeats < 1:
         parser.error(f"--repeats {args.repeats}: give 1 or more rollouts per schedule")
     if args.replay_turns and not os.path.isfile(args.replay_turns):
@@ -307,6 +315,9 @@ def main() -> None:
                 if "ceiling" in report["phases"]:
                     replayed["replay_over_ceiling_time"] = replayed["seconds"] / report["phases"]["ceiling"]["seconds"]
                 report["phases"]["replay"] = replayed
+            elif phase == "decode" and not args.dry:  # the adapter served against none, at each batch size
+                report["phases"]["decode"] = {str(r): decode_speed(sampler, policy, rows=r, tokens=args.decode_tokens)
+                                              for r in args.decode_rows}
             elif phase == "eval":
                 cfg = dm.eval_cfg
                 if args.dry:
