@@ -84,6 +84,8 @@ for k,v in sorted(r.get("runners",{}).items()):
 for u in r.get("update",{}).get("runs",[]):
   if "error" in u: print(u["variant"], "failed:", u["error"].strip().splitlines()[-1].split(":")[0].split(".")[-1] + ";", end=" ")
   else: print(u["variant"], round(u["seconds"],2), "s", round(100*u["mfu_6n"],1), "%;", end=" ")
+for n,d in r.get("decode",{}).items():
+  if isinstance(d,dict) and "runs" in d: print(n, "rows ms/step", *[x["requests"] + " " + format(x["ms_per_token_step"], ".3f") for x in d["runs"]], end="; ")
 c=r.get("ceiling",{}); print("ceiling", round(c["seconds"],2) if "seconds" in c else c.get("error","-")[-80:])' "$B/$label.json" 2>&1 | tail -1)"
   local sms; sms=$(grep -ao "alfrl: CUDA MPS: this process may use [0-9a-zA-Z]* SMs ([a-z_]* [0-9a-zA-Z]*)" "$B/$label.log" | head -1)
   echo "$label ($c) rc=$rc $(( $(date +%s) - s ))s ${envs[*]} ${extra[*]} ${what:-(see $label.log)}${sms:+ [${sms#alfrl: }]}" > "$B/$label.outcome"
