@@ -143,8 +143,8 @@ class VLLMEngine:
         self._lora_model = None
         self._next_lora_id = 1
         self.push_seconds: dict[str, float] = {}
-        """The last adapter push's phases (separate_process): write (the peft folder), load (``add_lora``), swap (the
-        previous adapter removed, the prefix cache reset)."""
+        """The last adapter push's phases (separate_process): write (the tensors copied off the GPU into the peft folder),
+        load (``add_lora``), swap (the previous adapter removed, the prefix cache reset)."""
         self._submitted = 0
         self.sleep_freed_gib: float | None = None  # GPU memory the last sleep handed back (weights offloaded, KV cache dropped)
         self._kept_bytes = 0
