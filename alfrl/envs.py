@@ -20,6 +20,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from collections import deque
@@ -460,3 +461,27 @@ class EnvGroup:
 
     def close(self) -> None:
         self.pool.release(self.env_ids)
+
+
+@dataclass
+class PrefetchedResets:
+    """A rollout's group resets submitted ahead of it (``Sampler.prefetch``), with the results already back."""
+
+    game_ids: tuple[str, ...]
+    group_size: int
+    groups: list[EnvGroup]
+    tickets: list[list[int]]
+    """Each group's reset tickets."""
+    early: dict[int, EnvState | EnvFailure] = field(default_factory=dict)
+    """The results collected so far, by ticket (by ``collector``, a thread that keeps polling the pool)."""
+    stop: threading.Event = field(default_factory=threading.Event)
+    collector: threading.Thread | None = None
+
+    def matches(self, games: list[Game], group_size: int) -> bool:
+        return self.game_ids == tuple(g.id for g in games) and self.group_size == group_size
+
+    def stop_collecting(self) -> None:
+        if self.collector is not None:
+            self.stop.set()
+            self.collector.join()
+            self.collector = None

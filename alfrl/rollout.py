@@ -29,7 +29,7 @@ from alfrl import protocol
 from alfrl.chat import ChatFormat
 from alfrl.context import CONTEXT_MODES, LiveTrajectory, make_context
 from alfrl.engines import Completion, Engine, SamplingRequest
-from alfrl.envs import EnvFailure, EnvGroup, EnvOp, EnvPool, EnvState, GroupStartMismatch, check_same_start
+from alfrl.envs import EnvFailure, EnvGroup, EnvOp, EnvPool, EnvState, GroupStartMismatch, PrefetchedResets, check_same_start
 from alfrl.games import Game
 from alfrl.rewards import RewardConfig, episode_reward, reward_noise, step_rewards
 from alfrl.types import STOP_REASONS, RolloutProgress, Trajectory, TrajectoryGroup, Turn
@@ -160,17 +160,17 @@ class RolloutRunner:
         seed: int,
         progress: Callable[[RolloutProgress], None] | None = None,
         on_group: Callable[[int, TrajectoryGroup], None] | None = None,
-        prepared: tuple[list[EnvGroup], list[list[int]], dict] | None = None,
+        prepared: PrefetchedResets | None = None,
     ) -> list[TrajectoryGroup]:
         """Play ``group_size`` trajectories of each game; one TrajectoryGroup per game, in order.
         ``on_group`` gets each game's index and group as soon as its last trajectory ended (evaluation writes it then;
-        ``model.ppo.update_during_rollout`` trains on it). ``prepared``: these games' groups, the tickets of their
-        resets submitted ahead of the rollout and the results of those already back (``Sampler.prefetch``)."""
-        groups = prepared[0] if prepared else [EnvGroup.create(self.pool, game, group_size) for game in games]
+        ``model.ppo.update_during_rollout`` trains on it). ``prepared``: these games' groups with their resets submitted
+        ahead of the rollout and the results of those already back (``Sampler.prefetch``)."""
+        groups = prepared.groups if prepared else [EnvGroup.create(self.pool, game, group_size) for game in games]
         self.stats = RolloutStats()
         start = time.perf_counter()
         try:
-            play = _Play(self, groups, seed, progress, on_group, started=start, prepared=prepared[1:] if prepared else ([], {}))
+            play = _Play(self, groups, seed, progress, on_group, started=start, prepared=prepared)
             play.run()
         finally:
             for group in groups:
@@ -295,9 +295,9 @@ class _Play:
     POLL_SECONDS = 0.05
 
     def __init__(self, runner: RolloutRunner, groups: list[EnvGroup], seed: int, progress, on_group=None, *, started: float,
-                 prepared: tuple[list[list[int]], dict]):
+                 prepared: PrefetchedResets | None = None):
         self.r = runner
-        self.resets, self.early = prepared  # resets submitted before the rollout: tickets by group, results back by ticket
+        self.resets, self.early = (prepared.tickets, prepared.early) if prepared else ([], {})  # resets submitted before it
         self.on_group = on_group
         self.finished: dict[int, TrajectoryGroup] = {}
         self.groups = groups

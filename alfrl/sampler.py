@@ -28,7 +28,7 @@ import torch
 from alfrl import protocol
 from alfrl.chat import ChatFormat, chat_format
 from alfrl.engines import Engine, EngineCounters, HFEngine
-from alfrl.envs import EnvFailure, EnvGroup, EnvPool, EnvState
+from alfrl.envs import EnvGroup, EnvPool, PrefetchedResets
 from alfrl.evaluation import EvalConfig, game_record, run_eval
 from alfrl.games import Game
 from alfrl.mps import PRIORITIES as MPS_PRIORITIES, context_sm_count, full_gpu_for_children, limits as mps_limits
@@ -107,12 +107,13 @@ class EngineConfig:
     """Under a CUDA MPS daemon, the share (1-100) of the GPU's SMs this process's kernels (the update) may use, set by
     ``alfrl fit`` once the recipe is read, before CUDA starts (the SMs it got are printed when the engine has started); the
     engine core (``separate_process``) is spawned with all of them, so its small steps at the end of a rollout find SMs
-    free beside the update of finished groups (alfrl/mps.py). null: no limit. Not yet run on a GPU (the plan:
-    bench/leases/2026-12-04b.md "Next")."""
+    free beside the update of finished groups (alfrl/mps.py). null: no limit. On the H200 (bench/leases/2026-12-04c.md)
+    50 gave 66 of 132 SMs: shorter tail steps, a slower update, steps no faster; off in every recipe."""
     trainer_mps_priority: str = "normal"
     """Under a CUDA MPS daemon, the priority of this process's GPU work: ``below_normal`` has MPS schedule it after the
     engine core's (``CUDA_MPS_CLIENT_PRIORITY``; the core, ``separate_process``, is spawned at ``normal``), as the
-    high-priority stream did inside one process. Set like ``trainer_sm_percentage``. Not yet run on a GPU."""
+    high-priority stream did inside one process. Set like ``trainer_sm_percentage``. On the H200 the tail steps were as
+    without it (bench/leases/2026-12-04c.md); off in every recipe."""
     speculative_ngram_tokens: int = 0
     """vLLM: n-gram speculative decoding (prompt lookup, on the GPU): up to this many tokens per step proposed from the
     sequence's own history where its last ``speculative_ngram_min``..``speculative_ngram_max`` tokens occurred before,
@@ -297,30 +298,6 @@ class RolloutResult:
     the seconds the engine took to fall asleep (``engine/sleep_seconds``, sleep mode only)."""
 
 
-@dataclass
-class Prefetch:
-    """Resets submitted ahead of the rollout that plays them (``Sampler.prefetch``)."""
-
-    game_ids: tuple[str, ...]
-    group_size: int
-    groups: list[EnvGroup]
-    tickets: list[list[int]]
-    """Each group's reset tickets."""
-    early: dict[int, EnvState | EnvFailure] = field(default_factory=dict)
-    """The results collected so far, by ticket (by ``collector``, a thread that keeps polling the pool)."""
-    stop: threading.Event = field(default_factory=threading.Event)
-    collector: threading.Thread | None = None
-
-    def matches(self, games: list[Game], group_size: int) -> bool:
-        return self.game_ids == tuple(g.id for g in games) and self.group_size == group_size
-
-    def stop_collecting(self) -> None:
-        if self.collector is not None:
-            self.stop.set()
-            self.collector.join()
-            self.collector = None
-
-
 class Sampler:
     """Plays trajectories with the policy; see the module docstring."""
 
@@ -334,7 +311,7 @@ class Sampler:
         self.eval_cfg = evaluation
         self.engine_cfg = engine_cfg
         self._sync: WeightSync | None = None
-        self._prefetch: Prefetch | None = None
+        self._prefetch: PrefetchedResets | None = None
 
     @classmethod
     def build(cls, policy, rollout: RolloutConfig, reward: RewardConfig, engine: EngineConfig, env: EnvConfig,
@@ -406,24 +383,24 @@ class Sampler:
         if self.pool is None or not games or 0 < self.rollout_cfg.max_live_games < len(games):
             return
         groups = [EnvGroup.create(self.pool, game, group_size) for game in games]
-        p = Prefetch(tuple(g.id for g in games), group_size, groups, [self.pool.submit(g.reset_ops()) for g in groups])
+        p = PrefetchedResets(tuple(g.id for g in games), group_size, groups, [self.pool.submit(g.reset_ops()) for g in groups])
         p.collector = threading.Thread(target=self._collect, args=(self.pool, p), name="alfrl-prefetch", daemon=True)
         p.collector.start()
         self._prefetch = p
 
     @staticmethod
-    def _collect(pool: EnvPool, p: Prefetch) -> None:
+    def _collect(pool: EnvPool, p: PrefetchedResets) -> None:
         """Until the next rollout (or a drop) stops it: the pool sends each worker its next op only when polled, so this
         thread polls it, keeping every worker resetting, and keeps what comes back. Nothing else uses the pool meanwhile."""
         while not p.stop.is_set() and pool.busy:
             p.early.update(pool.poll(0.05))
 
-    def _take_prefetch(self, games: list[Game], group_size: int) -> tuple[list[EnvGroup], list[list[int]], dict] | None:
+    def _take_prefetch(self, games: list[Game], group_size: int) -> PrefetchedResets | None:
         p = self._prefetch
         if p is not None and p.matches(games, group_size):
             p.stop_collecting()
             self._prefetch = None
-            return p.groups, p.tickets, p.early
+            return p
         self.drop_prefetch()
         return None
 
