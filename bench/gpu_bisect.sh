@@ -24,6 +24,9 @@
 #     BISECT_ENV_caches="-u VLLM_CACHE_ROOT -u TRITON_CACHE_DIR -u TORCHINDUCTOR_CACHE_DIR" BISECT_ENV_v1="VLLM_USE_V2_MODEL_RUNNER=0" \
 #       bash bench/gpu_bisect.sh run HEAD@eager HEAD@sync HEAD@caches HEAD@v1
 #   bash bench/gpu_bisect.sh wait 300                             # each run's outcome so far; logs and metrics into $OUT
+#   The machine goes back 30 idle seconds after a call ends, and the runs with it: send the next `wait` in the same
+#   batch as reading the last one's files (2026-12-03b, 2026-12-04d lost a fit each to reading first).
+#   A bench run's limit must hold the engine's start: ~150 s on a fresh machine (2026-12-04d), before any phase.
 # Each fit gets BISECT_TIMEOUT seconds (600: an eager fit's two updates took over 400 s), then SIGKILL 20 s after the
 # SIGTERM (Lightning catches SIGTERM and its run went on, 2026-12-02h).
 # DRY=1 runs the same on the CPU with the tiny recipe (the HF engine: it checks the mechanics, not the fault).

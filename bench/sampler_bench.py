@@ -269,6 +269,8 @@ def main() -> None:
     async_result = None
     if not args.no_sync:  # served as a fit's rollouts are: after the first sync (the LoRA loaded, or merged weights)
         report["first_sync"] = {k: v for k, v in sampler.sync(policy).items() if isinstance(v, (int, float))}
+    save()  # a run cut off before its first phase ends still tells how long the engine's start took
+    print(f"engine started in {start_seconds:.1f} s", flush=True)
     for phase in args.phases:
         started = time.perf_counter()
         try:
@@ -316,8 +318,12 @@ def main() -> None:
                     replayed["replay_over_ceiling_time"] = replayed["seconds"] / report["phases"]["ceiling"]["seconds"]
                 report["phases"]["replay"] = replayed
             elif phase == "decode" and not args.dry:  # the adapter served against none, at each batch size
-                report["phases"]["decode"] = {str(r): decode_speed(sampler, policy, rows=r, tokens=args.decode_tokens)
-                                              for r in args.decode_rows}
+                decoded = report["phases"]["decode"] = {}
+                for r in args.decode_rows:  # each batch size kept and printed as it ends: a run cut off keeps those done
+                    decoded[str(r)] = decode_speed(sampler, policy, rows=r, tokens=args.decode_tokens)
+                    save()
+                    print(f"decode {r} rows, ms a step:", *(f"{x['requests']} {x['ms_per_token_step']:.3f}" for x in decoded[str(r)]["runs"]),
+                          flush=True)
             elif phase == "eval":
                 cfg = dm.eval_cfg
                 if args.dry:
