@@ -238,6 +238,7 @@ class RolloutDataModule(L.LightningDataModule):
         if rollout.stats.tail_engine_steps:  # the engine's steps after that, with the batch emptying: the tail's step time
             metrics["rollout/tail_steps"] = float(rollout.stats.tail_engine_steps)
             metrics["rollout/tail_step_ms"] = 1000 * rollout.stats.tail_engine_seconds / rollout.stats.tail_engine_steps
+            metrics.update(rollout.stats.tail_output_figures())  # vLLM: its core's step there, and how late this process took it
         if rollout.sleep_freed_gib is not None:
             metrics["engine/sleep_freed_gib"] = rollout.sleep_freed_gib
         metrics.update(rollout.engine_metrics)
@@ -274,7 +275,8 @@ class RolloutDataModule(L.LightningDataModule):
 
     SUMMED_METRICS = ("rollout/trajectories", "rollout/failed_groups", "rollout/degenerate_groups", "rollout/dropped_groups")
     LOCAL_METRICS = ("rollout/seconds", "rollout/engine_busy_share", "rollout/half_ended_seconds", "rollout/completion_tokens_max",
-                     "rollout/env_wait_seconds", "rollout/last_group_started_seconds", "rollout/tail_steps", "rollout/tail_step_ms")
+                     "rollout/env_wait_seconds", "rollout/last_group_started_seconds", "rollout/tail_steps", "rollout/tail_step_ms",
+                     "rollout/tail_core_step_ms", "rollout/tail_output_lag_ms")
 
     def _reduce_metrics(self, metrics: dict[str, float], groups: list[TrajectoryGroup]) -> dict[str, float]:
         """Global metrics over all ranks: counts summed, rates weighted by each rank's trajectories

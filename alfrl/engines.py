@@ -27,6 +27,7 @@ all of them.
 from __future__ import annotations
 
 import copy
+import time
 import zlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -132,6 +133,9 @@ class Engine(Protocol):
     name: str
     shares_policy: bool
     """True when the engine samples from the trainer's own module (nothing to sync)."""
+    last_output_times: tuple[float, float] | None
+    """After ``step``: when the engine made what it returned and when this process took it (``time.monotonic()``); None
+    where both are one moment (an engine in this process's own loop)."""
 
     def generate(self, requests: list[SamplingRequest]) -> list[list[Completion]]:
         """``n`` completions per request, in request order (waits for all of them)."""
@@ -169,6 +173,7 @@ class InProcessEngine:
     ``submit`` / ``step`` on top of ``generate`` (a step generates every queued request)."""
 
     shares_policy = True
+    last_output_times = None
 
     def __init__(self):
         self._queue: list[tuple[str, SamplingRequest]] = []
@@ -373,6 +378,20 @@ class HFEngine(InProcessEngine):
             self._counters.prompt_tokens += len(r.prompt_ids)
             self._counters.generated_tokens += len(c.token_ids)
         return completions
+
+
+def clock_outputs(core, engine) -> None:
+    """After each ``core.get_output()`` (vLLM's engine-core client) ``engine.last_output_times`` holds when the core made
+    those outputs (their ``timestamp``: ``time.monotonic()``, one clock for every process of the machine) and when this
+    process took them: the rollout's tail shows from them whether it waited on the core or on this process."""
+    get_output = core.get_output
+
+    def get_output_clocked(*args, **kwargs):
+        out = get_output(*args, **kwargs)
+        engine.last_output_times = (float(out.timestamp), time.monotonic())
+        return out
+
+    core.get_output = get_output_clocked
 
 
 def counters_from_metrics(metrics: Iterable) -> EngineCounters:

@@ -23,7 +23,7 @@ import logging
 import time
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from alfrl import protocol
 from alfrl.chat import ChatFormat
@@ -32,7 +32,7 @@ from alfrl.engines import Completion, Engine, SamplingRequest
 from alfrl.envs import EnvFailure, EnvGroup, EnvOp, EnvPool, EnvState, GroupStartMismatch, PrefetchedResets, check_same_start
 from alfrl.games import Game
 from alfrl.rewards import RewardConfig, episode_reward, reward_noise, step_rewards
-from alfrl.types import STOP_REASONS, RolloutProgress, Trajectory, TrajectoryGroup, Turn
+from alfrl.types import STOP_REASONS, RolloutProgress, RolloutStats, Trajectory, TrajectoryGroup, Turn
 
 log = logging.getLogger(__name__)
 
@@ -117,25 +117,6 @@ def cut_at_stop_strings(c: Completion, stop_strings: tuple[str, ...], fmt: ChatF
 def request_seed(seed: int, game_id: str, index: int, turn: int) -> int:
     """A per-request seed that depends only on the run seed, the game, the trajectory and the turn."""
     return zlib.crc32(f"{seed}|{game_id}|{index}|{turn}".encode()) & 0x7FFFFFFF
-
-
-@dataclass
-class RolloutStats:
-    """Where a rollout's time went (seconds), for benchmarks and logs."""
-
-    seconds: float = 0.0
-    engine_seconds: float = 0.0
-    """Inside engine steps (the GPU's share of the rollout, for vLLM; with its core in a process of its own, waiting for its outputs)."""
-    env_wait_seconds: float = 0.0  # blocked waiting for environments with nothing to generate
-    submit_seconds: float = 0.0  # handing requests to the engine (for vLLM: its input processing and prefix-cache hashing)
-    requests: int = 0
-    trajectory_end_seconds: list[float] = field(default_factory=list)  # when each ended (after the start), in that order
-    group_start_seconds: list[float] = field(default_factory=list)
-    """When each group's first request was ready (its environments reset and checked): the start-up's length, the last one."""
-    engine_steps: int = 0
-    """Calls of ``engine.step()``: engine_seconds / engine_steps is the time of one (more calls than model forwards may run)."""
-    tail_engine_seconds: float = 0.0  # the engine steps (and their seconds) once half of the trajectories had ended
-    tail_engine_steps: int = 0
 
 
 class RolloutRunner:
@@ -347,11 +328,8 @@ class _Play:
                 started = time.perf_counter()
                 finished = r.engine.step()
                 spent = time.perf_counter() - started
-                r.stats.engine_seconds += spent
-                r.stats.engine_steps += 1
-                if 2 * len(r.stats.trajectory_end_seconds) >= self.total:  # half of the trajectories ended: the tail
-                    r.stats.tail_engine_seconds += spent
-                    r.stats.tail_engine_steps += 1
+                # half of the trajectories ended: the tail
+                r.stats.engine_step(spent, 2 * len(r.stats.trajectory_end_seconds) >= self.total, r.engine.last_output_times)
                 for request_id, completions in finished:
                     self.on_completions(self.request_owner.pop(request_id), completions)
             if self.rounds and self.held and not r.engine.busy:

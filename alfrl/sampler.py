@@ -33,9 +33,9 @@ from alfrl.evaluation import EvalConfig, game_record, run_eval
 from alfrl.games import Game
 from alfrl.mps import PRIORITIES as MPS_PRIORITIES, context_sm_count, full_gpu_for_children, limits as mps_limits
 from alfrl.rewards import RewardConfig
-from alfrl.rollout import RolloutConfig, RolloutRunner, RolloutStats
+from alfrl.rollout import RolloutConfig, RolloutRunner
 from alfrl.sync import SYNC_MODES, WeightSync
-from alfrl.types import RolloutProgress, TrajectoryGroup
+from alfrl.types import RolloutProgress, RolloutStats, TrajectoryGroup
 
 ENGINE_KINDS = ("hf", "vllm")
 CUDAGRAPH_MODES = ("none", "piecewise", "full", "full_decode_only", "full_and_piecewise")

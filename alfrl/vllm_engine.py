@@ -18,7 +18,7 @@ from collections.abc import Iterable
 
 import torch
 
-from alfrl.engines import AdapterWeights, Completion, EngineCounters, EngineError, SamplingRequest, counters_from_metrics
+from alfrl.engines import AdapterWeights, Completion, EngineCounters, EngineError, SamplingRequest, clock_outputs, counters_from_metrics
 
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 KEPT_TAG = "weights"
@@ -35,9 +35,8 @@ def keep_across_sleep(allocations: dict, kv_ranges: list[tuple[int, int]]) -> in
     sleep keeps only the allocations tagged ``weights``; everything vLLM allocated while building its KV cache
     is tagged ``kv_cache`` and comes back at wake-up as whatever the memory then holds: beside the cache, the
     attention metadata and, for a model whose cache blocks are not vLLM's default size (Qwen3.5: 272 tokens), the
-    persistent input batch. Suspected (from vLLM 0.26's source) of the NaN probes after a wake-up of the random
-    Qwen3.5-4B on the H200 (2026-12-02), they were then shown not to be its cause (``bench/sleep_probe.py``; the next
-    fit scored NaN with them kept). Kept, they come back as they were; a segment holding a cache page is never kept.
+    persistent input batch (not the cause of the NaN probes after a wake-up on the H200, 2026-12-02: ``bench/sleep_probe.py``).
+    Kept, they come back as they were; a segment holding a cache page is never kept.
     """
     kept = 0
     for address, data in allocations.items():
@@ -190,6 +189,8 @@ class VLLMEngine:
             logprobs_mode="processed_logprobs",  # log-probs of the distribution sampled from (temperature applied)
             **kwargs,
         )
+        self.last_output_times: tuple[float, float] | None = None
+        clock_outputs(self.llm.llm_engine.engine_core, self)
 
     def checkpoint_name(self, name: str) -> str:
         """The trainer's parameter or adapter-tensor name as the checkpoint spells it (what vLLM's

@@ -60,6 +60,7 @@ def rollout_figures(result, seconds: float) -> dict:
             "env_wait_seconds": result.stats.env_wait_seconds, "requests": result.stats.requests,
             "engine_steps": result.stats.engine_steps, "submit_seconds": result.stats.submit_seconds,
             "tail_engine_steps": result.stats.tail_engine_steps, "tail_engine_seconds": result.stats.tail_engine_seconds,
+            **{k.split("/")[1]: v for k, v in result.stats.tail_output_figures().items()},
             "generated_tokens": result.counters.generated_tokens, "generated_tokens_per_second": result.counters.generated_tokens / seconds,
             "prompt_tokens": result.counters.prompt_tokens, "cached_prompt_tokens": result.counters.cached_prompt_tokens,
             "draft_tokens": result.counters.draft_tokens, "accepted_draft_tokens": result.counters.accepted_draft_tokens,

@@ -79,6 +79,30 @@ def test_the_stats_record_when_each_trajectory_ended_and_the_tail_shows(game, fm
     assert min(tokens) > 0
     assert metrics["rollout/completion_tokens_max"] == max(tokens)
     assert metrics["rollout/completion_tokens_mean"] == sum(tokens) / 4
+    assert stats.tail_output_figures() == {}  # a scripted engine: outputs made where they are taken, no times of its own
+
+
+def test_the_tail_shows_the_engines_own_step_and_how_late_its_outputs_were_taken(game, fmt):
+    """vLLM's core stamps each step's outputs (VLLMEngine.last_output_times): the tail's core step and the lag, as medians."""
+
+    class Clocked(LatencyEngine):
+        made = 100.0
+
+        def step(self):
+            out = super().step()
+            Clocked.made += 0.004  # the core stepped every 4 ms; its outputs were taken 20 ms after it made them
+            self.last_output_times = (Clocked.made, Clocked.made + 0.020)
+            return out
+
+    engine = Clocked(fmt, LOOKS, latency=lambda k, turn: 0.3 if (k == 0 and turn >= 1) else 0.01)
+    cfg = RolloutConfig(max_episode_steps=6, max_trajectory_tokens=20000, max_assistant_tokens=200)
+    with EnvPool(num_workers=4, step_timeout=30) as pool:
+        runner = RolloutRunner(engine, pool, fmt, cfg, RewardConfig())
+        runner.run([game], len(LOOKS), seed=3)
+    stats = runner.stats
+    assert 2 < len(stats.tail_output_times) == stats.tail_engine_steps < stats.engine_steps  # the tail's steps only
+    figures = stats.tail_output_figures()
+    assert figures == {"rollout/tail_core_step_ms": pytest.approx(4.0), "rollout/tail_output_lag_ms": pytest.approx(20.0)}
 
 
 def test_a_slow_environment_does_not_delay_the_other_trajectories_turns(game, fmt):

@@ -13,7 +13,7 @@ def test_a_high_priority_stream_is_the_threads_current_stream_before_the_engine_
 
     events = []
     vllm = ModuleType("vllm")
-    vllm.LLM = lambda **kw: events.append("LLM")
+    vllm.LLM = lambda **kw: events.append("LLM") or _llm()
     for name, mod in (("vllm", vllm), ("vllm.utils", ModuleType("vllm.utils")), ("vllm.utils.torch_utils", ModuleType("vllm.utils.torch_utils"))):
         monkeypatch.setitem(sys.modules, name, mod)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -26,6 +26,32 @@ def test_a_high_priority_stream_is_the_threads_current_stream_before_the_engine_
     assert events == ["LLM"]
     assert EngineConfig(high_priority_stream=True).problems() == [
         "data.engine.high_priority_stream=true needs data.engine.kind: vllm (the hf engine runs no stream of its own): set it to false"]
+
+
+def _llm():
+    """A stand-in ``vllm.LLM``: its engine-core client (VLLMEngine clocks what it returns)."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(llm_engine=SimpleNamespace(engine_core=SimpleNamespace(get_output=lambda: None)))
+
+
+def test_each_output_of_vllms_core_carries_when_it_was_made_and_when_this_process_took_it(monkeypatch):
+    """VLLMEngine.last_output_times: the core's timestamp of the outputs LLMEngine.step just took, and the moment it took them."""
+    import time
+    from types import SimpleNamespace
+
+    from alfrl.vllm_engine import VLLMEngine
+
+    llm = _llm()
+    llm.llm_engine.engine_core.get_output = lambda: SimpleNamespace(timestamp=12.5, outputs=["o"])
+    _stand_in_vllm(monkeypatch, lambda **kw: llm)
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # VLLMEngine sets it; put back after
+    engine = VLLMEngine("a-model")
+    assert engine.last_output_times is None  # nothing taken yet
+    before = time.monotonic()
+    assert llm.llm_engine.engine_core.get_output().outputs == ["o"]  # what vLLM's own step gets, unchanged
+    made, taken = engine.last_output_times
+    assert made == 12.5 and before <= taken <= time.monotonic()
 
 
 def _stand_in_vllm(monkeypatch, llm):
@@ -59,7 +85,7 @@ def test_a_separate_process_engine_is_spawned_by_vllm_and_an_inline_one_is_not(m
 
     seen = []
     _stand_in_vllm(monkeypatch, lambda **kw: seen.append((os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"],
-                                                           os.environ.get("VLLM_WORKER_MULTIPROC_METHOD"))))
+                                                           os.environ.get("VLLM_WORKER_MULTIPROC_METHOD"))) or _llm())
     monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD", raising=False)
     VLLMEngine("a-model")
     VLLMEngine("a-model", separate_process=True)
@@ -85,6 +111,9 @@ def test_an_adapter_reaches_a_separate_engine_as_a_peft_folder_and_only_the_serv
     calls = []
 
     class Core:
+        def get_output(self):
+            return None
+
         def shutdown(self):
             calls.append("shutdown")
 
@@ -189,6 +218,8 @@ def test_a_dead_engine_core_process_stops_the_run_with_one_line_that_says_what_t
         pass
 
     class LLMEngine:
+        engine_core = _llm().llm_engine.engine_core
+
         def step(self):
             raise EngineDeadError("EngineCore encountered an issue. See stack trace (above) for the root cause.")
 
