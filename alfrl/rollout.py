@@ -328,7 +328,7 @@ class _Play:
                 started = time.perf_counter()
                 finished = r.engine.step()
                 spent = time.perf_counter() - started
-                # half of the trajectories ended: the tail
+                # the tail: once half of the trajectories ended
                 r.stats.engine_step(spent, 2 * len(r.stats.trajectory_end_seconds) >= self.total, r.engine.last_output_times)
                 for request_id, completions in finished:
                     self.on_completions(self.request_owner.pop(request_id), completions)

@@ -35,8 +35,9 @@ def keep_across_sleep(allocations: dict, kv_ranges: list[tuple[int, int]]) -> in
     sleep keeps only the allocations tagged ``weights``; everything vLLM allocated while building its KV cache
     is tagged ``kv_cache`` and comes back at wake-up as whatever the memory then holds: beside the cache, the
     attention metadata and, for a model whose cache blocks are not vLLM's default size (Qwen3.5: 272 tokens), the
-    persistent input batch (not the cause of the NaN probes after a wake-up on the H200, 2026-12-02: ``bench/sleep_probe.py``).
-    Kept, they come back as they were; a segment holding a cache page is never kept.
+    persistent input batch. Suspected (from vLLM 0.26's source) of the NaN probes after a wake-up of the random
+    Qwen3.5-4B on the H200 (2026-12-02), they were then shown not to be its cause (``bench/sleep_probe.py``; the next
+    fit scored NaN with them kept). Kept, they come back as they were; a segment holding a cache page is never kept.
     """
     kept = 0
     for address, data in allocations.items():
