@@ -179,8 +179,9 @@ def _log_order(f: Path) -> tuple[int, float, str]:
     return (int(m.group(1)) if m else -1, f.stat().st_mtime, str(f))
 
 
-def training_rows(sources: list[str]) -> list[dict]:
-    """One row per update step from CSVLogger files (``RUN_DIR/**/metrics.csv`` or the files themselves)."""
+def training_rows(sources: list[str], columns: dict[str, str] = TRAIN_COLUMNS) -> list[dict]:
+    """One row per update step from CSVLogger files (``RUN_DIR/**/metrics.csv`` or the files themselves): each of ``columns``
+    (name -> logged metric; None where not logged) and ``seconds_step``. ``columns`` must hold ``STEP_PARTS``."""
     import csv
 
     files: list[Path] = []
@@ -202,7 +203,7 @@ def training_rows(sources: list[str]) -> list[dict]:
                 if not rec.get("step") or not rec.get(TRAIN_COLUMNS["reward"]):
                     continue
                 row = {"step": int(float(rec["step"]))}
-                for name, col in TRAIN_COLUMNS.items():
+                for name, col in columns.items():
                     value = rec.get(col)
                     row[name] = float(value) if value not in (None, "") else None
                 parts = [row[k] for k in STEP_PARTS]

@@ -24,6 +24,7 @@
 #     BISECT_ENV_caches="-u VLLM_CACHE_ROOT -u TRITON_CACHE_DIR -u TORCHINDUCTOR_CACHE_DIR" BISECT_ENV_v1="VLLM_USE_V2_MODEL_RUNNER=0" \
 #       bash bench/gpu_bisect.sh run HEAD@eager HEAD@sync HEAD@caches HEAD@v1
 #   bash bench/gpu_bisect.sh wait 300                             # each run's outcome so far; logs and metrics into $OUT
+#   A fit's outcome line ends with its updates' figures (bench/fit_table.py --line): read them there, during the lease.
 #   The machine goes back 30 idle seconds after a call ends, and the runs with it: send the next `wait` in the same
 #   batch as reading the last one's files (2026-12-03b, 2026-12-04d lost a fit each to reading first).
 #   A bench run's limit must hold the engine's start: ~150 s on a fresh machine (2026-12-04d), before any phase.
@@ -90,6 +91,7 @@ for u in r.get("update",{}).get("runs",[]):
 for n,d in r.get("decode",{}).items():
   if isinstance(d,dict) and "runs" in d: print(n, "rows ms/step", *[x["requests"] + " " + format(x["ms_per_token_step"], ".3f") for x in d["runs"]], end="; ")
 c=r.get("ceiling",{}); print("ceiling", round(c["seconds"],2) if "seconds" in c else c.get("error","-")[-80:])' "$B/$label.json" 2>&1 | tail -1)"
+  [ -f "$B/$label.metrics.csv" ] && what="$what; $(PYTHONPATH=/tmp/site:$REPO "$PY" "$REPO/bench/fit_table.py" --line "$B/$label.metrics.csv" 2>&1 | tail -1)"
   local sms; sms=$(grep -ao "alfrl: CUDA MPS: this process may use [0-9a-zA-Z]* SMs ([a-z_]* [0-9a-zA-Z]*)" "$B/$label.log" | head -1)
   echo "$label ($c) rc=$rc $(( $(date +%s) - s ))s ${envs[*]} ${extra[*]} ${what:-(see $label.log)}${sms:+ [${sms#alfrl: }]}" > "$B/$label.outcome"
 }

@@ -24,6 +24,15 @@ def _metrics(root: Path) -> list[dict]:
         return list(csv.DictReader(f))
 
 
+def _bench(name: str):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, REPO / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _adapter(root: Path, step: int) -> dict:
     return load_file(str(root / "checkpoints" / f"step-{step:06d}" / "adapter" / "adapter_model.safetensors"))
 
@@ -64,6 +73,13 @@ def test_make_train_runs_the_tiny_recipe(tmp_path, data_dir, tiny_model_dir):
     assert [float(r["engine/probe_drift"]) for r in rows] == [0.0, 0.0]
     # the HF engine's copy has the trainer's weights: sampler and trainer log-probs agree
     assert abs(float(rows[0]["train/sampler_minus_trainer_logprob"])) < 1e-3
+    # bench/fit_table.py reads this log as the leases do: the step's three parts, truncated (never rounded up)
+    fit_table = _bench("fit_table")
+    (csv_file,) = root.glob("csv/version_*/metrics.csv")
+    steps = [float(r["rollout/seconds"]) + float(r["train/update_seconds"]) + float(r["sync/total_seconds"]) for r in rows]
+    assert len(fit_table.updates(str(csv_file))) == 2
+    assert fit_table.line(str(csv_file)).startswith(f"steps s {'/'.join(fit_table.truncated(s, 3) for s in steps)} (mean ")
+    assert fit_table.truncated(0.29, 2) == "0.29" and fit_table.truncated(26.9629, 3) == "26.962" and fit_table.truncated(51622.0, 0) == "51,622"
 
 
 def test_speculative_decoding_counts_are_logged_exactly_when_it_is_on():
