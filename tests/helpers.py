@@ -1,5 +1,5 @@
 """Test doubles: a scripted engine that plays given action lists through the real token machinery; the CLI run in
-the test's process."""
+the test's process; a bench/ script loaded as a module."""
 
 from __future__ import annotations
 
@@ -163,3 +163,14 @@ def alfrl_here(capfd, *args: str) -> subprocess.CompletedProcess:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     out = capfd.readouterr()
     return subprocess.CompletedProcess(["alfrl", *args], code, out.out, out.err)
+
+
+def load_bench(name: str):
+    """``bench/<name>.py`` as a module (bench/ is scripts, not a package)."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).parents[1] / "bench" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod

@@ -8,6 +8,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from alfrl.chat import chat_format
 from alfrl.engines import EngineError, HFEngine, SamplingRequest
+from tests.helpers import load_bench
 
 
 @pytest.fixture(scope="module")
@@ -265,16 +266,6 @@ def test_each_vllm_request_gets_its_own_sampling_params_which_vllm_need_not_deep
     p = engine.sampling_params(with_stops)
     assert p.stop == ["</action>"] and p.include_stop_str_in_output and p.detokenize
     assert not engine.sampling_params(req).detokenize and not hasattr(engine.sampling_params(req), "stop")
-
-
-def load_bench(name: str):
-    import importlib.util
-    from pathlib import Path
-
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).parents[1] / "bench" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def test_the_sleep_probe_runs_its_four_cycles_through_the_engines_own_sleep_and_wake_up(monkeypatch):

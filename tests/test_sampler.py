@@ -12,7 +12,7 @@ from alfrl.chat import chat_format
 from alfrl.envs import EnvPool
 from alfrl.rewards import RewardConfig
 from alfrl.rollout import RolloutConfig, RolloutRunner, rollout_metrics
-from tests.helpers import LatencyEngine, ScriptedEngine
+from tests.helpers import LatencyEngine, ScriptedEngine, load_bench
 
 GAME = "valid_seen:look_at_obj_in_light-AlarmClock-None-DeskLamp-323/trial_T20190909_044715_250790"
 LOOKS = [["look"] * 6 for _ in range(4)]
@@ -228,15 +228,11 @@ def test_the_replay_ceiling_plays_each_trajectorys_recorded_turns_back_to_back(t
     """bench/replay_ceiling.py on a stand-in engine that decodes one token per step: every turn's recorded prompt
     (the tokens before its sampled span) with its recorded length forced; a trajectory's next turn goes in as soon
     as its last one ends, so a short trajectory is not held back by a long one (no rounds)."""
-    import importlib.util
-    from pathlib import Path
     from types import SimpleNamespace
 
     from alfrl.types import TokenSequence
 
-    spec = importlib.util.spec_from_file_location("replay_ceiling", Path(__file__).parents[1] / "bench" / "replay_ceiling.py")
-    rc = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(rc)
+    rc = load_bench("replay_ceiling")
 
     def full(ids, spans):  # one full-history sequence: turn i's span (start, end)
         return SimpleNamespace(sequences=(TokenSequence(tuple(ids), (0.0,) * len(ids), tuple((i, s, e) for i, (s, e) in enumerate(spans))),))

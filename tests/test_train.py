@@ -10,6 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.helpers import load_bench
+
 REPO = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow
 
@@ -22,15 +24,6 @@ def _metrics(root: Path) -> list[dict]:
     (csv_file,) = root.glob("csv/version_*/metrics.csv")
     with open(csv_file) as f:
         return list(csv.DictReader(f))
-
-
-def _bench(name: str):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(name, REPO / "bench" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _adapter(root: Path, step: int) -> dict:
@@ -74,7 +67,7 @@ def test_make_train_runs_the_tiny_recipe(tmp_path, data_dir, tiny_model_dir):
     # the HF engine's copy has the trainer's weights: sampler and trainer log-probs agree
     assert abs(float(rows[0]["train/sampler_minus_trainer_logprob"])) < 1e-3
     # bench/fit_table.py reads this log as the leases do: the step's three parts, truncated (never rounded up)
-    fit_table = _bench("fit_table")
+    fit_table = load_bench("fit_table")
     (csv_file,) = root.glob("csv/version_*/metrics.csv")
     steps = [float(r["rollout/seconds"]) + float(r["train/update_seconds"]) + float(r["sync/total_seconds"]) for r in rows]
     assert len(fit_table.updates(str(csv_file))) == 2
