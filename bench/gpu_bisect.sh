@@ -15,6 +15,7 @@
 #     BISECT_EXTRA_<label>="--data.engine.enforce_eager true"     recipe overrides (keys that commit knows)
 #     BISECT_ENV_<label>="-u VLLM_CACHE_ROOT VLLM_USE_V2_MODEL_RUNNER=0"   `env` arguments for its process
 #     BISECT_BENCH_<label>="--phases ceiling runners"        bench/sampler_bench.py with these arguments instead of the fit
+#     BISECT_SCRIPT_<label>="bench/lora_tune.py --rank 32 ..."  another script instead (no overrides; outcome: its last line)
 #     BISECT_TIMEOUT_<label>=240                                  its own limit in seconds (else BISECT_TIMEOUT)
 #     BISECT_MPS_<label>=1   under a CUDA MPS daemon of its own (started before, stopped after): the kernels of the trainer's
 #                            process and vLLM's engine core process (`data.engine.separate_process`) run side by side
@@ -66,20 +67,24 @@ fit_at() {  # fit_at COMMIT[@LABEL]: two updates of that commit's code (HEAD: th
       || { echo "$label: not run: the MPS daemon did not start" > "$B/$label.outcome"; return 1; }
     envs+=("CUDA_MPS_PIPE_DIRECTORY=$mps" "CUDA_MPS_LOG_DIRECTORY=$mps")
   fi
-  local bench_of="BISECT_BENCH_$label" cmd
-  if [ -n "${!bench_of:-}" ]; then  # bench/sampler_bench.py with these arguments instead of a fit; the overrides after `--`
+  local bench_of="BISECT_BENCH_$label" script_of="BISECT_SCRIPT_$label" cmd
+  if [ -n "${!script_of:-}" ]; then  # another script with these arguments (no recipe overrides), e.g. bench/lora_tune.py
+    read -ra sargs <<< "${!script_of}"
+    cmd=("$PY" "${sargs[@]}")
+  elif [ -n "${!bench_of:-}" ]; then  # bench/sampler_bench.py with these arguments instead of a fit; the overrides after `--`
     read -ra bargs <<< "${!bench_of}"
-    cmd=("$PY" bench/sampler_bench.py --recipe $RECIPE --out "$B/$label.json" "${bargs[@]}" -- "${ARGS[@]}" --trainer.logger false)
+    cmd=("$PY" bench/sampler_bench.py --recipe $RECIPE --out "$B/$label.json" "${bargs[@]}" -- "${ARGS[@]}" --trainer.logger false "${extra[@]}")
   else
     cmd=("$PY" -m alfrl.cli fit --config $RECIPE "${ARGS[@]}" --trainer.max_steps "${BISECT_STEPS:-2}" --checkpoint.save_every 0
-         --trainer.default_root_dir "$B/runs/$label" --progress_bar.refresh_rate 0)
+         --trainer.default_root_dir "$B/runs/$label" --progress_bar.refresh_rate 0 "${extra[@]}")
   fi
-  (cd "$dir" && env "${envs[@]}" PYTHONPATH=/tmp/site:$dir timeout -k 20 "${!limit_of:-${BISECT_TIMEOUT:-600}}" "${cmd[@]}" "${extra[@]}") > "$B/$label.log" 2>&1
+  (cd "$dir" && env "${envs[@]}" PYTHONPATH=/tmp/site:$dir timeout -k 20 "${!limit_of:-${BISECT_TIMEOUT:-600}}" "${cmd[@]}") > "$B/$label.log" 2>&1
   local rc=$?
   if [ -n "$mps" ]; then  # stopped before the next run, which must not find it
     echo quit | CUDA_MPS_PIPE_DIRECTORY=$mps nvidia-cuda-mps-control; sleep 2; cp "$mps/control.log" "$B/$label.mps.log" 2>/dev/null
   fi
   cp "$B/runs/$label"/csv/version_0/metrics.csv "$B/$label.metrics.csv" 2>/dev/null
+  [ -n "${!script_of:-}" ] && { echo "$label ($c) rc=$rc $(( $(date +%s) - s ))s ${envs[*]} $(tail -1 "$B/$label.log")" > "$B/$label.outcome"; return; }
   local what; what=$(grep -ao "TrainerMemoryError: .*\|NonFiniteProbeError: .*\|WeightSyncError: .*\|CUDA error: [a-z ]*\|max_steps=[0-9]*. reached\|^phase [a-z]*: .*" "$B/$label.log" | tail -1)
   [ -f "$B/$label.json" ] && what="$what $("$PY" -c 'import json,sys; r=json.load(open(sys.argv[1]))["phases"]
 for k,v in sorted(r.get("runners",{}).items()):
@@ -105,7 +110,7 @@ case "${1:-}" in
     [ "${DRY:-0}" = 1 ] || [ -f "$W/logs/start.log" ] || { echo "run: no model on this machine (a fresh one?): stage the kit and the model, then gpu_campaign.sh start" >&2; exit 1; }
     for run in "$@"; do c=${run%%@*}; [ "$c" = HEAD ] || [ -d "$B/code/$c" ] || { mkdir -p "$B/code" && cp -r ".gpu-bisect/$c" "$B/code/$c"; }; done
     cp "$0" "$B/bisect.sh"; rm -f "$B/done"
-    for v in "${!BISECT_EXTRA_@}" "${!BISECT_ENV_@}" "${!BISECT_BENCH_@}" "${!BISECT_TIMEOUT_@}" "${!BISECT_MPS_@}"; do export "$v"; done
+    for v in "${!BISECT_EXTRA_@}" "${!BISECT_ENV_@}" "${!BISECT_BENCH_@}" "${!BISECT_SCRIPT_@}" "${!BISECT_TIMEOUT_@}" "${!BISECT_MPS_@}"; do export "$v"; done
     ALFRL_REPO=$REPO BISECT_EXTRA="${BISECT_EXTRA:-}" setsid nohup bash "$B/bisect.sh" _run "$@" > "$B/job.log" 2>&1 < /dev/null &
     echo "bisect started: $*" ;;
   _run)

@@ -265,3 +265,34 @@ def test_a_dead_engine_core_process_stops_the_run_with_one_line_that_says_what_t
     monkeypatch.setattr(LLMEngine, "step", fails)
     with pytest.raises(ValueError, match="not a dead core"):  # anything else goes through as it was
         engine.step()
+
+
+def test_the_lora_tuner_searches_the_qwen_layers_kernel_shapes_and_writes_vllms_config_folder(tmp_path):
+    """bench/lora_tune.py without a GPU: the 1.5B model's LoRA kernels under vLLM's lookup keys, the coordinate search,
+    and the two files vLLM reads from VLLM_TUNED_CONFIG_FOLDER ([max_loras][num_slices][m][k][n], the defaults in a dry run)."""
+    import json
+    import math
+    from pathlib import Path
+
+    from tests.helpers import load_bench
+
+    tune = load_bench("lora_tune")
+    config = Path(__file__).parents[1] / "bench" / "results" / "2026-12-04d" / "model_config.json"  # Qwen2.5-Coder-1.5B's
+    shapes = tune.layer_shapes(json.loads(config.read_text()))
+    assert shapes["qkv_proj"] == {"slices": (1536, 256, 256), "in": 1536} and shapes["down_proj"] == {"slices": (1536,), "in": 8960}
+    keys = tune.kernel_keys(shapes, 32)
+    assert keys[("expand", 1, 32, 1536)] == ["o_proj", "down_proj"]  # one expand shape, two projections
+    assert keys[("shrink", 1, 8960, 32)] == ["down_proj"] and keys[("expand", 2, 32, 8960)] == ["gate_up_proj"]
+    assert len(keys) == 7
+
+    def cost(cfg):  # separable, lowest at block_k 64, split_k 4; num_stages 1 fails to build
+        return math.inf if cfg["num_stages"] == 1 else abs(cfg["block_k"] - 64) + abs(cfg["split_k"] - 4) + cfg["num_warps"]
+
+    best, best_cost = tune.coordinate_search(tune.default_config("shrink", 1, 3), tune.SEARCH["shrink"], cost)
+    assert (best["block_k"], best["split_k"], best["num_warps"], best_cost) == (64, 4, 1, 1) and best["num_stages"] != 1
+
+    tune.main(["--model-config", str(config), "--rank", "32", "--out", str(tmp_path / "cfg"), "--rows", "1", "64", "--dry"])
+    shrink = json.loads((tmp_path / "cfg" / "NVIDIA_H200_SHRINK.json").read_text())
+    expand = json.loads((tmp_path / "cfg" / "NVIDIA_H200_EXPAND_TRUE.json").read_text())
+    assert shrink["2"]["3"]["1"]["1536"]["32"] == tune.default_config("shrink", 1, 3)
+    assert sorted(expand["2"]["1"]) == ["1", "64"] and expand["2"]["2"]["64"]["32"]["8960"]["block_n"] == 64
