@@ -29,8 +29,9 @@ from __future__ import annotations
 import copy
 import time
 import zlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Protocol
 
 import torch
@@ -136,6 +137,9 @@ class Engine(Protocol):
     last_output_times: tuple[float, float] | None
     """After ``step``: when the engine made what it returned and when this process took it (``time.monotonic()``); None
     where both are one moment (an engine in this process's own loop)."""
+    push_seconds: Mapping[str, float]
+    """The last adapter push's phases in seconds where the engine times them (a vLLM core in its own process: write, load,
+    swap; logged as ``sync/<phase>_seconds``), else empty."""
 
     def generate(self, requests: list[SamplingRequest]) -> list[list[Completion]]:
         """``n`` completions per request, in request order (waits for all of them)."""
@@ -174,6 +178,7 @@ class InProcessEngine:
 
     shares_policy = True
     last_output_times = None
+    push_seconds: Mapping[str, float] = MappingProxyType({})
 
     def __init__(self):
         self._queue: list[tuple[str, SamplingRequest]] = []

@@ -114,7 +114,7 @@ class WeightSync:
                    "sync/taken": float(taken), "sync/expected": float(expected), "sync/gather_seconds": gathered}
         # where a separate engine process's push went (vllm_engine: write, load, swap)
         if push:
-            metrics.update({f"sync/{phase}_seconds": v for phase, v in (getattr(self.engine, "push_seconds", None) or {}).items()})
+            metrics.update({f"sync/{phase}_seconds": v for phase, v in self.engine.push_seconds.items()})
         if taken != expected:
             raise WeightSyncError(f"the {self.engine.name} engine took {taken} of the {expected} pushed {self.mode} weights")
         if not self.check:
