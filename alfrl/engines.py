@@ -27,6 +27,7 @@ all of them.
 from __future__ import annotations
 
 import copy
+import pathlib
 import time
 import zlib
 from collections.abc import Callable, Iterable, Mapping
@@ -420,3 +421,19 @@ def counters_from_metrics(metrics: Iterable) -> EngineCounters:
         draft_tokens=int(values.get("vllm:spec_decode_num_draft_tokens", 0)),
         accepted_draft_tokens=int(values.get("vllm:spec_decode_num_accepted_tokens", 0)),
     )
+
+
+def vllm_gpu_name() -> str:
+    """This GPU's name as vLLM spells it in its tuned-config files' names (``NVIDIA_H200``); ``NO_GPU`` without one."""
+    return torch.cuda.get_device_name().replace(" ", "_").replace("-", "_") if torch.cuda.is_available() else "NO_GPU"
+
+
+def tuned_lora_folder(folder: str) -> str:
+    """``folder`` (``data.engine.lora_kernel_configs``) made absolute, after checking it has files for this GPU (vLLM itself
+    only warns and falls back to its defaults)."""
+    gpu = vllm_gpu_name()
+    missing = [name for name in (f"{gpu}_SHRINK.json", f"{gpu}_EXPAND_TRUE.json") if not (pathlib.Path(folder) / name).is_file()]
+    if missing:
+        raise EngineError(f"data.engine.lora_kernel_configs={folder!r} has no {' or '.join(missing)} (tuned on another GPU?): "
+                          f"tune on this one with `python bench/lora_tune.py --out {folder} ...`, or set it to null")
+    return str(pathlib.Path(folder).resolve())

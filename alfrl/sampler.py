@@ -27,7 +27,7 @@ import torch
 
 from alfrl import protocol
 from alfrl.chat import ChatFormat, chat_format
-from alfrl.engines import Engine, EngineCounters, HFEngine
+from alfrl.engines import Engine, EngineCounters, HFEngine, tuned_lora_folder
 from alfrl.envs import EnvGroup, EnvPool, PrefetchedResets
 from alfrl.evaluation import EvalConfig, game_record, run_eval
 from alfrl.games import Game
@@ -114,6 +114,11 @@ class EngineConfig:
     engine core's (``CUDA_MPS_CLIENT_PRIORITY``; the core, ``separate_process``, is spawned at ``normal``), as the
     high-priority stream did inside one process. Set like ``trainer_sm_percentage``. On the H200 the tail steps were as
     without it (bench/leases/2026-12-04c.md); off in every recipe."""
+    lora_kernel_configs: str | None = None
+    """vLLM: a folder of LoRA kernel launch configs tuned on this GPU for this model and rank (``bench/lora_tune.py --out``
+    writes ``<GPU>_SHRINK.json`` and ``<GPU>_EXPAND_TRUE.json``); the engine reads it as ``VLLM_TUNED_CONFIG_FOLDER``. On
+    the H200, the 1.5B model's LoRA kernels took 786.7 us a decode step at 1 row against 1,296.4 us with vLLM's defaults,
+    770.4-795.1 against 1,075.8-1,128.8 us at 2-16 rows (each kernel alone; bench/leases/2026-12-04e.md). null: vLLM's defaults."""
     speculative_ngram_tokens: int = 0
     """vLLM: n-gram speculative decoding (prompt lookup, on the GPU): up to this many tokens per step proposed from the
     sequence's own history where its last ``speculative_ngram_min``..``speculative_ngram_max`` tokens occurred before,
@@ -197,6 +202,13 @@ class EngineConfig:
         if self.trainer_mps_priority not in MPS_PRIORITIES or (self.trainer_mps_priority != "normal" and not self.separate_process):
             out.append(f"{prefix}.trainer_mps_priority={self.trainer_mps_priority!r} must be one of {', '.join(MPS_PRIORITIES)}, and "
                        f"below_normal needs {prefix}.separate_process: true (in one process the engine would share it): fix it")
+        if self.lora_kernel_configs is not None:
+            folder = Path(self.lora_kernel_configs)
+            missing = [p for p in ("*_SHRINK.json", "*_EXPAND_TRUE.json") if not any(folder.glob(p))]
+            if self.kind != "vllm" or self.weight_sync != "lora" or missing:
+                out.append(f"{prefix}.lora_kernel_configs={self.lora_kernel_configs!r} needs {prefix}.kind: vllm, {prefix}.weight_sync: "
+                           f"lora and a folder with {' and '.join(missing) or 'its files'} (`python bench/lora_tune.py --out` writes "
+                           "them): fix it, or set it to null")
         if self.gdn_prefill_backend not in (None, "triton", "flashinfer"):
             out.append(f"{prefix}.gdn_prefill_backend={self.gdn_prefill_backend!r} is not one of triton, flashinfer (or null)")
         if self.max_batch_rows < 1:
@@ -328,6 +340,8 @@ class Sampler:
 
             path = hf_folder_for(policy.hparams.model_name, policy.hparams.gguf_file)
             rank = int(os.environ.get("LOCAL_RANK", "0"))
+            if engine.lora_kernel_configs is not None:  # read by vLLM in its engine core (spawned with this environment)
+                os.environ["VLLM_TUNED_CONFIG_FOLDER"] = tuned_lora_folder(engine.lora_kernel_configs)
             limited = bool(mps_limits(engine.trainer_sm_percentage, engine.trainer_mps_priority))
             with full_gpu_for_children(limited):  # the engine core spawned with every SM, at the normal priority
                 sampling = VLLMEngine(

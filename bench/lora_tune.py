@@ -2,7 +2,7 @@
 
     python bench/lora_tune.py --model-config .cache/qwen15b-coder-hf/config.json --rank 32 --out /tmp/lora-configs \
         [--rows 1 2 4 8 16 32 64 128 256 512 1024 2048] [--budget-seconds 420] [--report tune.json] [--dry]
-    # then serve with VLLM_TUNED_CONFIG_FOLDER=/tmp/lora-configs (vLLM reads <GPU>_SHRINK.json, <GPU>_EXPAND_TRUE.json)
+    # then serve with --data.engine.lora_kernel_configs /tmp/lora-configs (vLLM reads <GPU>_SHRINK.json, <GPU>_EXPAND_TRUE.json)
 
 Why: every engine step runs, per decoder layer, a shrink (x A^T) and an expand (y += buffer B^T) kernel for each of the
 LoRA's packed projections (qkv, o, gate_up, down), with vLLM's default launch configs ("Using default LoRA kernel
@@ -10,8 +10,8 @@ configs" in a fit's log). On the H200 the same turns replayed 1.95x faster on me
 (bench/leases/2026-12-03c.md); where that goes is what the decode side by side measures (sampler_bench --phases decode).
 
 How: for each kernel, each packed projection's shape and each row count (vLLM pads a step's rows to a captured size and
-looks its config up by the nearest row count), a coordinate search from vLLM's default: one parameter at a time over
-its values, the best kept, twice over. Each candidate is timed as the engine runs it, replayed in a CUDA graph (20 calls,
+looks its config up by the nearest row count), a coordinate search from vLLM's default, or from the last row count's best
+where that is faster here: one parameter at a time over its values, the best kept, twice over. Each candidate is timed as the engine runs it, replayed in a CUDA graph (20 calls,
 best of 5 replays; the shrink's zeroing of its buffer included), and checked against a matmul in float32 first. Row
 counts go smallest first (a rollout's tail), and the search stops at ``--budget-seconds``; shapes not reached keep
 vLLM's default. ``--report`` gets every shape's default and tuned microseconds and a decode step's LoRA time per row
@@ -83,6 +83,16 @@ def coordinate_search(start: dict, space: dict[str, list[int]], cost: Callable[[
         if not moved:
             break
     return best, best_cost
+
+
+def starting_point(default: dict, previous: dict | None, cost: Callable[[dict], float]) -> tuple[dict, float, float]:
+    """Where a row count's search starts: vLLM's default, or the last row count's best (the tuned configs of 2-16 rows were
+    nearly alike, bench/leases/2026-12-04e.md) where that costs less at this one. Returns (start, its cost, the default's)."""
+    default_cost = cost(default)
+    if previous is None or previous == default:
+        return default, default_cost, default_cost
+    previous_cost = cost(previous)
+    return (previous, previous_cost, default_cost) if previous_cost < default_cost else (default, default_cost, default_cost)
 
 
 def nest(found: dict[tuple, dict], max_loras_key: int) -> dict[str, dict]:
@@ -176,12 +186,12 @@ def main(argv: list[str] | None = None) -> None:
     config = json.loads(Path(args.model_config).read_text())
     shapes = layer_shapes(config)
     keys = kernel_keys(shapes, args.rank)
-    started, found, report = time.monotonic(), {}, {"shapes": shapes, "rank": args.rank, "kernels": []}
+    started, found, last_best, report = time.monotonic(), {}, {}, {"shapes": shapes, "rank": args.rank, "kernels": []}
     gpu, max_loras_key = "NVIDIA_H200", 2
     if not args.dry:
-        import torch
+        from alfrl.engines import vllm_gpu_name
 
-        gpu = torch.cuda.get_device_name().replace(" ", "_").replace("-", "_")  # as vLLM names the files
+        gpu = vllm_gpu_name()
     for m in sorted(args.rows):  # the tail's row counts first
         for (op, slices, k, n), names in keys.items():
             start = default_config(op, m, slices)
@@ -191,9 +201,9 @@ def main(argv: list[str] | None = None) -> None:
             shape = shapes[names[0]]
             harness = Harness(op, shape["slices"], shape["in"], args.rank, m)
             max_loras_key = harness.max_loras_key
-            default_us = harness.microseconds(start)
-            best, best_us = coordinate_search(start, SEARCH[op], harness.microseconds, start_cost=default_us)  # moves only if faster
-            found[(op, slices, m, k, n)] = best
+            start, from_us, default_us = starting_point(start, last_best.get((op, slices, k, n)), harness.microseconds)
+            best, best_us = coordinate_search(start, SEARCH[op], harness.microseconds, start_cost=from_us)  # moves only if faster
+            found[(op, slices, m, k, n)] = last_best[(op, slices, k, n)] = best
             report["kernels"].append({"op": op, "rows": m, "num_slices": slices, "k": k, "n": n, "projections": names,
                                       "default_us": default_us, "tuned_us": best_us, "config": best})
             print(f"{op} {'+'.join(names)} rows {m}: {default_us:.2f} -> {best_us:.2f} us", flush=True)

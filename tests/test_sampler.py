@@ -375,3 +375,47 @@ def test_each_training_batch_prefetches_the_next_steps_resets(valid_games, fmt):
             rollout_kinds = kinds[:-4] if prefetch else kinds  # with a prefetch, the next one's 4 resets come last
             assert rollout_kinds.count("reset") == (0 if prefetch else 4) and set(kinds[-4:]) == {"reset" if prefetch else "step"}
             dm.sampler.close()
+
+
+def test_tuned_lora_kernel_configs_are_checked_and_reach_the_engine_core(monkeypatch, tmp_path, tiny_model_dir):
+    """data.engine.lora_kernel_configs: a folder bench/lora_tune.py wrote, for the vLLM engine serving the LoRA; Sampler.build
+    names it to vLLM (VLLM_TUNED_CONFIG_FOLDER, which its engine core inherits) only if it has this GPU's files."""
+    import sys
+    from types import ModuleType
+
+    import alfrl.engines
+    from alfrl.engines import EngineError
+    from alfrl.evaluation import EvalConfig
+    from alfrl.policy import AlfrlPolicy
+    from alfrl.ppo import LoRAConfig
+    from alfrl.sampler import EngineConfig, EnvConfig, Sampler
+
+    folder = tmp_path / "lora-configs"
+    folder.mkdir()
+    (folder / "NVIDIA_H200_SHRINK.json").write_text("{}")
+    fix = "`python bench/lora_tune.py --out` writes them): fix it, or set it to null"
+    assert EngineConfig(kind="vllm", lora_kernel_configs=str(folder)).problems() == [
+        f"data.engine.lora_kernel_configs={str(folder)!r} needs data.engine.kind: vllm, data.engine.weight_sync: lora and a folder "
+        f"with *_EXPAND_TRUE.json ({fix}"]
+    (folder / "NVIDIA_H200_EXPAND_TRUE.json").write_text("{}")
+    engine = EngineConfig(kind="vllm", lora_kernel_configs=str(folder))
+    assert engine.problems() == []
+    assert len(EngineConfig(kind="vllm", weight_sync="merged", lora_kernel_configs=str(folder)).problems()) == 1
+    assert EngineConfig(lora_kernel_configs=str(folder)).problems() == [  # the hf engine runs no Triton LoRA kernels
+        f"data.engine.lora_kernel_configs={str(folder)!r} needs data.engine.kind: vllm, data.engine.weight_sync: lora and a folder "
+        f"with its files ({fix}"]
+
+    stand_in = ModuleType("alfrl.vllm_engine")
+    stand_in.VLLMEngine = lambda path, **kwargs: object()
+    monkeypatch.setitem(sys.modules, "alfrl.vllm_engine", stand_in)
+    monkeypatch.setenv("VLLM_TUNED_CONFIG_FOLDER", "the environment's")  # restored after the test
+    policy = AlfrlPolicy(model_name=tiny_model_dir, dtype="float32", lora=LoRAConfig(rank=8, alpha=16))
+    build = lambda: Sampler.build(policy, RolloutConfig(), RewardConfig(), engine, EnvConfig(), EvalConfig(), with_pool=False)  # noqa: E731
+    monkeypatch.setattr(alfrl.engines, "vllm_gpu_name", lambda: "NVIDIA_A100_SXM4_80GB")
+    with pytest.raises(EngineError, match=r"has no NVIDIA_A100_SXM4_80GB_SHRINK.json or NVIDIA_A100_SXM4_80GB_EXPAND_TRUE.json "
+                                          r"\(tuned on another GPU\?\): tune on this one with `python bench/lora_tune.py --out"):
+        build()
+    assert os.environ["VLLM_TUNED_CONFIG_FOLDER"] == "the environment's"
+    monkeypatch.setattr(alfrl.engines, "vllm_gpu_name", lambda: "NVIDIA_H200")
+    build()
+    assert os.environ["VLLM_TUNED_CONFIG_FOLDER"] == str(folder.resolve())

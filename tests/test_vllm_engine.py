@@ -291,6 +291,11 @@ def test_the_lora_tuner_searches_the_qwen_layers_kernel_shapes_and_writes_vllms_
     best, best_cost = tune.coordinate_search(tune.default_config("shrink", 1, 3), tune.SEARCH["shrink"], cost)
     assert (best["block_k"], best["split_k"], best["num_warps"], best_cost) == (64, 4, 1, 1) and best["num_stages"] != 1
 
+    default, previous = tune.default_config("shrink", 1, 3), {**tune.default_config("shrink", 1, 3), "block_k": 64, "split_k": 4}
+    assert tune.starting_point(default, previous, cost) == (previous, cost(previous), cost(default))  # the last row count's best
+    assert tune.starting_point(previous, default, cost)[0] == previous  # not where it costs more
+    assert tune.starting_point(default, None, cost) == (default, cost(default), cost(default))
+
     tune.main(["--model-config", str(config), "--rank", "32", "--out", str(tmp_path / "cfg"), "--rows", "1", "64", "--dry"])
     shrink = json.loads((tmp_path / "cfg" / "NVIDIA_H200_SHRINK.json").read_text())
     expand = json.loads((tmp_path / "cfg" / "NVIDIA_H200_EXPAND_TRUE.json").read_text())
