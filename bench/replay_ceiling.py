@@ -17,6 +17,7 @@ import gzip
 import json
 import random
 import time
+from collections.abc import Callable
 from types import SimpleNamespace
 
 from alfrl.types import TokenSequence
@@ -36,26 +37,30 @@ def save_turns(trajectories, path: str) -> None:
     """Each trajectory's token sequences and sampled spans (what ``turn_requests`` reads) -> gzipped JSON at ``path``: the
     same turns replayed on another engine (``load_turns``) make a clean pair. Derived from games: keep such files out of
     the repository."""
-    data = [[[list(seq.token_ids), [list(span) for span in seq.spans]] for seq in t.sequences] for t in trajectories]
+    data = [[[list(seq.token_ids), [list(span) for span in seq.spans], list(seq.sampler_logprobs)] for seq in t.sequences]
+            for t in trajectories]
     with gzip.open(path, "wt") as f:
         json.dump(data, f)
 
 
 def load_turns(path: str) -> list:
-    """``save_turns``' trajectories, each with ``.sequences`` as ``turn_requests`` and ``replay`` take them."""
+    """``save_turns``' trajectories, each with ``.sequences`` as ``turn_requests`` and ``replay`` take them (the sampler's
+    log-probs where the file has them: written since 2026-12-04e; 0 before)."""
     with gzip.open(path, "rt") as f:
         data = json.load(f)
-    return [SimpleNamespace(sequences=tuple(TokenSequence(tuple(ids), (0.0,) * len(ids), tuple(tuple(s) for s in spans))
-                                            for ids, spans in t)) for t in data]
+    return [SimpleNamespace(sequences=tuple(TokenSequence(tuple(ids), tuple(rest[0]) if rest else (0.0,) * len(ids),
+                                                          tuple(tuple(s) for s in spans)) for ids, spans, *rest in t)) for t in data]
 
 
-def drive(core, firsts, next_turn, make_params, submit_prompt=lambda ids: ids, prefix: str = "replay") -> dict:
+def drive(core, firsts, next_turn, make_params, submit_prompt=lambda ids: ids, prefix: str = "replay",
+          on_end: Callable[[int], None] | None = None, step_log: list | None = None) -> dict:
     """Sequences turn after turn on ``core`` (vLLM's ``LLMEngine``: ``add_request(id, prompt, params)`` and ``step()`` ->
     outputs with ``request_id``, ``finished`` and ``outputs[0].token_ids``), each sequence's next turn submitted the moment
     its last one ends. ``firsts``: (prompt ids, forced length) of each sequence's first turn; ``next_turn(i, token_ids)``:
     the next (prompt, length) of sequence i after a turn that sampled ``token_ids``, or None when it is done.
     ``make_params(n)`` gives sampling parameters forcing n tokens; ``submit_prompt(ids)`` wraps prompt ids as the engine
-    takes them. Returns seconds, engine steps, generated tokens, turns and the submission order (sequence, turn)."""
+    takes them. Returns seconds, engine steps, generated tokens, turns and the submission order (sequence, turn).
+    ``on_end(i)``: sequence i played its last turn; ``step_log`` gets (seconds, sequences ended before it) of each step."""
     done_turns = [0] * len(firsts)
     owner: dict[str, int] = {}
     order: list[tuple[int, int]] = []
@@ -70,10 +75,14 @@ def drive(core, firsts, next_turn, make_params, submit_prompt=lambda ids: ids, p
     for i, first in enumerate(firsts):
         if first is not None:
             submit(i, *first)
-    steps = generated = 0
+    steps = generated = ended = 0
     while owner:
         steps += 1
-        for out in core.step():
+        step_started = time.perf_counter()
+        outs = core.step()
+        if step_log is not None:
+            step_log.append((time.perf_counter() - step_started, ended))
+        for out in outs:
             if not out.finished:
                 continue
             i = owner.pop(out.request_id)
@@ -83,13 +92,18 @@ def drive(core, firsts, next_turn, make_params, submit_prompt=lambda ids: ids, p
             turn = next_turn(i, ids)
             if turn is not None:
                 submit(i, *turn)
+            else:
+                ended += 1
+                if on_end is not None:
+                    on_end(i)
     seconds = time.perf_counter() - start
     return {"seconds": seconds, "engine_steps": steps, "generated_tokens": generated,
             "generated_tokens_per_second": generated / seconds if seconds else 0.0, "turns": len(order), "order": order}
 
 
-def replay(core, trajectories, make_params, submit_prompt=lambda ids: ids) -> dict:
-    """Play ``trajectories`` again on ``core`` (``drive``): each turn's recorded prompt, its recorded length forced."""
+def replay(core, trajectories, make_params, submit_prompt=lambda ids: ids, **hooks) -> dict:
+    """Play ``trajectories`` again on ``core`` (``drive``, ``hooks`` its ``on_end`` and ``step_log``): each turn's recorded
+    prompt, its recorded length forced."""
     plans = [turn_requests(t) for t in trajectories]
     nxt = [1] * len(plans)
 
@@ -99,7 +113,7 @@ def replay(core, trajectories, make_params, submit_prompt=lambda ids: ids) -> di
         nxt[i] += 1
         return plans[i][nxt[i] - 1]
 
-    return drive(core, [plan[0] if plan else None for plan in plans], next_turn, make_params, submit_prompt)
+    return drive(core, [plan[0] if plan else None for plan in plans], next_turn, make_params, submit_prompt, **hooks)
 
 
 def ceiling(core, make_params, submit_prompt=lambda ids: ids, groups: int = 8, group_size: int = 8, start_tokens: int = 1000,

@@ -166,11 +166,40 @@ def alfrl_here(capfd, *args: str) -> subprocess.CompletedProcess:
 
 
 def load_bench(name: str):
-    """``bench/<name>.py`` as a module (bench/ is scripts, not a package)."""
+    """``bench/<name>.py`` as a module (bench/ is scripts, not a package; on sys.path, as for a script run there, for the
+    bench modules it imports)."""
     import importlib.util
+    import sys
     from pathlib import Path
 
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).parents[1] / "bench" / f"{name}.py")
+    bench = str(Path(__file__).parents[1] / "bench")
+    if bench not in sys.path:
+        sys.path.append(bench)
+    spec = importlib.util.spec_from_file_location(name, Path(bench) / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+class OneTokenCore:
+    """A stand-in for vLLM's LLMEngine step API (bench/replay_ceiling.py's ``drive``): every live request decodes one token
+    a step; ``add_request(rid, prompt, n)`` forces n tokens; ``seen``: each request's (prompt, n)."""
+
+    def __init__(self):
+        self.live, self.seen = {}, []
+
+    def add_request(self, rid, prompt, n):
+        self.live[rid] = [n, 0]
+        self.seen.append((tuple(prompt), n))
+
+    def step(self):
+        from types import SimpleNamespace
+
+        outs = []
+        for rid, left in list(self.live.items()):
+            left[1] += 1
+            done = left[1] == left[0]
+            outs.append(SimpleNamespace(request_id=rid, finished=done, outputs=[SimpleNamespace(token_ids=[1] * left[1])]))
+            if done:
+                del self.live[rid]
+        return outs

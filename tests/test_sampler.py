@@ -12,7 +12,7 @@ from alfrl.chat import chat_format
 from alfrl.envs import EnvPool
 from alfrl.rewards import RewardConfig
 from alfrl.rollout import RolloutConfig, RolloutRunner, rollout_metrics
-from tests.helpers import LatencyEngine, ScriptedEngine, load_bench
+from tests.helpers import LatencyEngine, OneTokenCore, ScriptedEngine, load_bench
 
 GAME = "valid_seen:look_at_obj_in_light-AlarmClock-None-DeskLamp-323/trial_T20190909_044715_250790"
 LOOKS = [["look"] * 6 for _ in range(4)]
@@ -244,25 +244,7 @@ def test_the_replay_ceiling_plays_each_trajectorys_recorded_turns_back_to_back(t
     assert rc.turn_requests(long) == [(tuple(range(100, 103)), 10), (tuple(range(100, 115)), 5)]
     assert rc.turn_requests(windowed) == [((7, 8), 1), ((7, 8, 9, 5), 1)]
 
-    class Core:  # one token per step for every live request
-        def __init__(self):
-            self.live, self.seen = {}, []
-
-        def add_request(self, rid, prompt, n):
-            self.live[rid] = [n, 0]
-            self.seen.append((tuple(prompt), n))
-
-        def step(self):
-            outs = []
-            for rid, left in list(self.live.items()):
-                left[1] += 1
-                done = left[1] == left[0]
-                outs.append(SimpleNamespace(request_id=rid, finished=done, outputs=[SimpleNamespace(token_ids=[1] * left[1])]))
-                if done:
-                    del self.live[rid]
-            return outs
-
-    core = Core()
+    core = OneTokenCore()
     out = rc.replay(core, [long, short, windowed], make_params=lambda n: n)
     assert out["turns"] == 7 and out["generated_tokens"] == 10 + 5 + 2 * 3 + 1 + 1
     assert sorted(core.seen) == sorted(rc.turn_requests(long) + rc.turn_requests(short) + rc.turn_requests(windowed))
@@ -271,7 +253,7 @@ def test_the_replay_ceiling_plays_each_trajectorys_recorded_turns_back_to_back(t
     assert out["engine_steps"] == 15  # the long trajectory's 10 + 5 tokens, the others inside them
     # the ceiling on the same driver: each group's sequences share a start, every next prompt is the last one + its
     # sampled tokens + the appended ones, every turn exactly the sampled count
-    core = Core()
+    core = OneTokenCore()
     out = rc.ceiling(core, make_params=lambda n: n, groups=2, group_size=2, start_tokens=5, turns=3, sampled=4, appended=2)
     assert out["turns"] == 12 and out["generated_tokens"] == 48 and out["engine_steps"] == 12
     assert sorted(len(p) for p, _ in core.seen) == [5] * 4 + [11] * 4 + [17] * 4 and {n for _, n in core.seen} == {4}
@@ -280,7 +262,7 @@ def test_the_replay_ceiling_plays_each_trajectorys_recorded_turns_back_to_back(t
     later = [p for p, _ in core.seen if len(p) == 11]
     assert all(p[5:9] == (1, 1, 1, 1) for p in later)  # the sampled tokens went back into the history
     # served: every replayed request carries the adapter the rollout's requests carried
-    class LoraCore(Core):
+    class LoraCore(OneTokenCore):
         def add_request(self, rid, prompt, n, lora_request=None):
             self.loras = getattr(self, "loras", []) + [lora_request]
             super().add_request(rid, prompt, n)

@@ -1,5 +1,7 @@
 """The update of finished groups during the rollout (alfrl.update.GroupUpdate) is the update after it."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -118,3 +120,50 @@ def test_more_than_one_optimizer_step_is_refused_with_the_fix(random_model_dir):
     with pytest.raises(ValueError, match="epochs 1, minibatches 1"):
         GroupUpdate(policy, 1.0, threaded=False)
 
+
+
+def test_the_step_replay_trains_each_group_when_its_last_trajectory_ends_and_serially_the_same_samples(random_model_dir, tmp_path):
+    """bench/step_replay.py on a stand-in engine (one token a step): beside the replay, a group goes to the update when its
+    last trajectory's last turn ends, while the other group still plays; serially, after the replay. Both train the same
+    samples (the same LoRA after the optimizer step, from the same start); the saved turns keep the sampler's log-probs."""
+    from tests.helpers import OneTokenCore, load_bench
+
+    rc, sr = load_bench("replay_ceiling"), load_bench("step_replay")
+
+    def trajectory(seed, turn_tokens):  # one full-history sequence: a 4-token prompt before each turn of that many tokens
+        gen = torch.Generator().manual_seed(seed)
+        ids, spans, pos = [], [], 0
+        for turn, n in enumerate(turn_tokens):
+            ids += torch.randint(0, 1000, (4 + n,), generator=gen).tolist()
+            spans.append((turn, pos + 4, pos + 4 + n))
+            pos += 4 + n
+        logprobs = tuple(-0.5 - (i % 7) / 10 if i else 0.0 for i in range(len(ids)))
+        return TokenSequence(tuple(ids), logprobs, tuple(spans))
+
+    seqs = [trajectory(1, [2, 3]), trajectory(2, [3, 2]), trajectory(3, [6, 8]), trajectory(4, [5, 9])]  # group 0 ends first
+    rc.save_turns([SimpleNamespace(sequences=(s,)) for s in seqs], str(tmp_path / "turns.json.gz"))
+    trajectories = rc.load_turns(str(tmp_path / "turns.json.gz"))
+    assert [t.sequences for t in trajectories] == [(s,) for s in seqs]  # log-probs too
+
+    results, loras = {}, {}
+    for mode in ("beside", "serial"):
+        policy = _policy(random_model_dir)
+        optimizer = torch.optim.AdamW(policy.trainable_parameters(), lr=1e-3)
+        run = lambda **hooks: rc.replay(OneTokenCore(), trajectories, make_params=lambda n: n, **hooks)  # noqa: E731
+        synced = []
+        results[mode] = sr.play_step(run, policy, trajectories, 2, 1.0, optimizer, mode, sync=lambda: synced.append(1) or {"taken": 4},
+                                     threaded=False)
+        loras[mode] = _lora(policy)
+        assert synced == [1] and results[mode]["sync/taken"] == 4
+    beside, serial = results["beside"], results["serial"]
+    assert beside["groups_handed"] == [(0, 2), (1, 0)]  # group 0 trained while group 1's two trajectories still played
+    assert serial["groups_handed"] == [(0, 0), (1, 0)]
+    assert beside["engine_steps"] == serial["engine_steps"] == 14  # the longest trajectories' 14 tokens, one a step
+    assert beside["samples"] == serial["samples"] == 4 and beside["update/samples"] == serial["update/samples"] == 4.0
+    # half of the 4 ended (group 0, after its 5 tokens) before steps 6..14
+    assert beside["tail_steps"] == serial["tail_steps"] == 9 and beside["update/groups_during_rollout"] == 2.0
+    for name in loras["beside"]:
+        torch.testing.assert_close(loras["beside"][name], loras["serial"][name])
+    assert sr.tail_figures([(0.001, 0), (0.002, 1), (0.004, 2), (0.006, 3)], 4) == {"tail_steps": 2, "tail_step_ms": 5.0}
+    with pytest.raises(ValueError, match="step mode 'after': choose one of beside, serial"):
+        sr.play_step(run, policy, trajectories, 2, 1.0, optimizer, "after")
