@@ -1,7 +1,7 @@
 """One GPU process, one engine, side by side: the Sampler's speed, the weight sync's checks, the update's MFU.
 
     python bench/sampler_bench.py --recipe recipes/qwen15b_coder_h200.yaml --out bench.json [--eval-out base.jsonl]
-        [--phases ceiling runners replay eval update sync decode] [--dry]
+        [--phases ceiling runners replay eval update sync step decode] [--dry]
 
 Phases (figures into one JSON; each phase's errors are recorded, the others still run):
 - ceiling: the engine alone (no environment): 8 groups x 8 sequences sharing a 1,000-token start,
@@ -324,7 +324,7 @@ def main() -> None:
                 if "ceiling" in report["phases"]:
                     replayed["replay_over_ceiling_time"] = replayed["seconds"] / report["phases"]["ceiling"]["seconds"]
                 report["phases"]["replay"] = replayed
-            elif phase == "step" and not args.dry:  # a fit step's work, the same in every run (bench/step_replay.py)
+            elif phase == "step":  # a fit step's work, the same in every run (bench/step_replay.py; dry: on the hf engine)
                 if args.replay_turns:
                     trajectories = load_turns(args.replay_turns)
                 else:

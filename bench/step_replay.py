@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from types import SimpleNamespace
 
 from replay_ceiling import on_vllm, replay  # bench/ (the script's folder is on sys.path)
 
@@ -104,12 +105,33 @@ def play_step(run_replay, policy, trajectories, group_size: int, temperature: fl
             **{f"update/{k}": v for k, v in stats.items()}, **{f"sync/{k}": v for k, v in synced.items()}}
 
 
+class ProtocolCore:
+    """``drive``'s core over an alfrl ``Engine`` (``submit`` / ``step``): a CPU dry run's hf engine. ``n`` tokens asked, not
+    forced (the engine may stop sooner at a stop token of its model)."""
+
+    def __init__(self, engine):
+        self.engine, self.rid = engine, {}
+
+    def add_request(self, rid, prompt, n):
+        from alfrl.engines import SamplingRequest
+
+        (engine_id,) = self.engine.submit([SamplingRequest(tuple(prompt), 1, 1.0, 1.0, n, (), seed=1)])
+        self.rid[engine_id] = rid
+
+    def step(self):
+        return [SimpleNamespace(request_id=self.rid.pop(engine_id), finished=True, outputs=[SimpleNamespace(token_ids=list(c.token_ids))])
+                for engine_id, (c,) in self.engine.step()]
+
+
 def step_phase(sampler, policy, trajectories, group_size: int, temperature: float, modes=STEP_MODES) -> dict:
-    """``play_step`` on the vLLM engine once per mode (the adapter served; its prefix cache reset before each replay)."""
+    """``play_step`` on the engine once per mode: vLLM's with the adapter served, its prefix cache reset before each replay;
+    another (the hf engine of a CPU dry run) through its ``submit`` / ``step``."""
     optimizer = policy.configure_optimizers()  # the fit's AdamW, its state made at once
     out = {"trajectories": len(trajectories), "group_size": group_size, "runs": []}
     for mode in modes:
         def run_replay(**hooks):
+            if sampler.engine.name != "vllm":
+                return replay(ProtocolCore(sampler.engine), trajectories, lambda n: n, **hooks)
             return on_vllm(sampler.engine, lambda core, params, wrap: replay(core, trajectories, params, wrap, **hooks),
                            reset_prefix_cache=True, served=True)
 
