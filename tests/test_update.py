@@ -167,3 +167,25 @@ def test_the_step_replay_trains_each_group_when_its_last_trajectory_ends_and_ser
     assert sr.tail_figures([(0.001, 0), (0.002, 1), (0.004, 2), (0.006, 3)], 4) == {"tail_steps": 2, "tail_step_ms": 5.0}
     with pytest.raises(ValueError, match="step mode 'after': choose one of beside, serial"):
         sr.play_step(run, policy, trajectories, 2, 1.0, optimizer, "after")
+
+
+def test_the_step_phase_plays_on_the_hf_engine_through_its_submit_and_step(random_model_dir):
+    """sampler_bench's step phase in a CPU dry run: the replay through the hf engine's submit / step (lengths asked, not
+    forced), every mode's figures, the trained samples all of them."""
+    from alfrl.evaluation import EvalConfig
+    from alfrl.rewards import RewardConfig
+    from alfrl.rollout import RolloutConfig
+    from alfrl.sampler import EngineConfig, EnvConfig, Sampler
+    from tests.helpers import load_bench
+
+    sr = load_bench("step_replay")
+    policy = _policy(random_model_dir)
+    sampler = Sampler.build(policy, RolloutConfig(), RewardConfig(), EngineConfig(), EnvConfig(), EvalConfig(), with_pool=False)
+    groups = _groups(n_groups=2, k=2)
+    trajectories = [SimpleNamespace(sequences=(TokenSequence(tuple(s.token_ids_T.tolist()), (0.0,) * len(s), ((0, 5, 9), (1, 12, 14))),))
+                    for g in groups for s in g]
+    out = sr.step_phase(sampler, policy, trajectories, 2, 1.0, ("beside", "serial"))
+    assert [r["mode"] for r in out["runs"]] == ["beside", "serial"] and out["trajectories"] == 4
+    for run in out["runs"]:
+        assert run["turns"] == 8 and run["update/samples"] == 4.0 and [g for g, _ in run["groups_handed"]] == [0, 1]
+        assert run["step_seconds"] >= run["replay_seconds"] > 0
