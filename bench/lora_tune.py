@@ -11,8 +11,9 @@ configs" in a fit's log). On the H200 the same turns replayed 1.95x faster on me
 
 How: for each kernel, each packed projection's shape and each row count (vLLM pads a step's rows to a captured size and
 looks its config up by the nearest row count), a coordinate search from vLLM's default, or from the last row count's best
-where that is faster here: one parameter at a time over its values, the best kept, twice over. Each candidate is timed as the engine runs it, replayed in a CUDA graph (20 calls,
-best of 5 replays; the shrink's zeroing of its buffer included), and checked against a matmul in float32 first. Row
+where that is faster here: one parameter at a time over its values, the best kept, twice over. Each candidate is timed
+as the engine runs it, replayed in a CUDA graph (20 calls, best of 5 replays; the shrink's zeroing of its buffer
+included), and checked against a matmul in float32 first. Row
 counts go smallest first (a rollout's tail), and the search stops at ``--budget-seconds``; shapes not reached keep
 vLLM's default. ``--report`` gets every shape's default and tuned microseconds and a decode step's LoRA time per row
 count (the layers' sum). ``--dry`` (no GPU): the shapes, keys and files, every config vLLM's default.

@@ -9,7 +9,8 @@ trajectories from the first update on (2026-12-04e), so fits are not pairs. Here
 needs a process of its own (MPS priority, tuned LoRA kernels, packed-row size), its figures beside the others'.
 
 Modes, one after the other in one run (``--step-modes``): ``beside`` (the fit's way: each group's passes start when its
-last trajectory's last turn ends), ``serial`` (the whole update after the replay). Each: the replay's seconds and engine
+last trajectory's last turn ends), ``serial`` (the update after the replay, as a fit with ``update_during_rollout: false``
+runs it). Each: the replay's seconds and engine
 steps, its tail (the steps once half of the trajectories had ended: how many, their median ms), the update left after the
 replay, the sync, and their sum, the step. The samples are the saved turns with the sampler's log-probs and advantages
 of +1 and -1 by turns of trajectory (every sampled token trained, as in the update phase; a fit with no degenerate group
@@ -86,12 +87,11 @@ def play_step(run_replay, policy, trajectories, group_size: int, temperature: fl
             update.abort()
         raise
     replay_seconds = time.perf_counter() - started
-    if update is None:
-        update = GroupUpdate(policy, temperature, threaded=False)
-        for g in sorted(by_group):
-            handed.append((g, 0))
-            update.add(by_group[g])
-    stats = update.finish(samples, optimizer.step)
+    if update is None:  # the fit's update after the rollout (model.ppo.update_during_rollout: false): rows packed over the batch
+        handed.extend((g, 0) for g in sorted(by_group))
+        stats = policy.update(samples, optimizer=optimizer, temperature=temperature)
+    else:
+        stats = update.finish(samples, optimizer.step)
     update_after = time.perf_counter() - started - replay_seconds
     synced, sync_seconds = {}, 0.0
     if sync is not None:
