@@ -26,7 +26,7 @@ from types import SimpleNamespace
 from replay_ceiling import on_vllm, replay  # bench/ (the script's folder is on sys.path)
 
 from alfrl.advantages import sample_of
-from alfrl.types import Sample
+from alfrl.types import Sample, TokenSequence
 from alfrl.update import GroupUpdate
 
 STEP_MODES = ("beside", "serial")
@@ -123,18 +123,40 @@ class ProtocolCore:
                 for engine_id, (c,) in self.engine.step()]
 
 
+def first_turns(trajectories, turns: int) -> list:
+    """The trajectories cut after their first ``turns`` turns (a full-history sequence cut after that turn's span, a windowed
+    trajectory's first sequences): the warm-up's short replay."""
+    out = []
+    for t in trajectories:
+        seqs = []
+        for seq in t.sequences:
+            spans = tuple(span for span in seq.spans if span[0] < turns)
+            if spans:
+                end = spans[-1][2]
+                seqs.append(TokenSequence(seq.token_ids[:end], seq.sampler_logprobs[:end], spans))
+        out.append(SimpleNamespace(sequences=tuple(seqs)))
+    return out
+
+
 def step_phase(sampler, policy, trajectories, group_size: int, temperature: float, modes=STEP_MODES) -> dict:
     """``play_step`` on the engine once per mode: vLLM's with the adapter served, its prefix cache reset before each replay;
-    another (the hf engine of a CPU dry run) through its ``submit`` / ``step``."""
+    another (the hf engine of a CPU dry run) through its ``submit`` / ``step``. First, untimed, the first two turns replayed
+    and one group's passes with their gradients dropped: no mode pays for a first call (kernels chosen, memory grown)."""
     optimizer = policy.configure_optimizers()  # the fit's AdamW, its state made at once
-    out = {"trajectories": len(trajectories), "group_size": group_size, "runs": []}
-    for mode in modes:
-        def run_replay(**hooks):
-            if sampler.engine.name != "vllm":
-                return replay(ProtocolCore(sampler.engine), trajectories, lambda n: n, **hooks)
-            return on_vllm(sampler.engine, lambda core, params, wrap: replay(core, trajectories, params, wrap, **hooks),
-                           reset_prefix_cache=True, served=True)
 
-        out["runs"].append(play_step(run_replay, policy, trajectories, group_size, temperature, optimizer, mode,
-                                     sync=lambda: sampler.sync(policy)))
+    def run_replay(played, **hooks):
+        if sampler.engine.name != "vllm":
+            return replay(ProtocolCore(sampler.engine), played, lambda n: n, **hooks)
+        return on_vllm(sampler.engine, lambda core, params, wrap: replay(core, played, params, wrap, **hooks),
+                       reset_prefix_cache=True, served=True)
+
+    started = time.perf_counter()
+    run_replay(first_turns(trajectories, 2))
+    warm = GroupUpdate(policy, temperature, threaded=False)
+    warm.add(turn_samples(trajectories[:group_size], group_size))
+    warm.abort()  # its gradients dropped: no optimizer step
+    out = {"trajectories": len(trajectories), "group_size": group_size, "warm_up_seconds": time.perf_counter() - started, "runs": []}
+    for mode in modes:
+        out["runs"].append(play_step(lambda **hooks: run_replay(trajectories, **hooks), policy, trajectories, group_size, temperature,
+                                     optimizer, mode, sync=lambda: sampler.sync(policy)))
     return out

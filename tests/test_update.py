@@ -185,7 +185,10 @@ def test_the_step_phase_plays_on_the_hf_engine_through_its_submit_and_step(rando
     trajectories = [SimpleNamespace(sequences=(TokenSequence(tuple(s.token_ids_T.tolist()), (0.0,) * len(s), ((0, 5, 9), (1, 12, 14))),))
                     for g in groups for s in g]
     out = sr.step_phase(sampler, policy, trajectories, 2, 1.0, ("beside", "serial"))
-    assert [r["mode"] for r in out["runs"]] == ["beside", "serial"] and out["trajectories"] == 4
+    assert [r["mode"] for r in out["runs"]] == ["beside", "serial"] and out["trajectories"] == 4 and out["warm_up_seconds"] > 0
+    first = sr.first_turns(trajectories, 1)  # the warm-up's replay: each trajectory cut after its first turn
+    assert [t.sequences[0].spans for t in first] == [((0, 5, 9),)] * 4 and len(first[0].sequences[0].token_ids) == 9
+    assert first[0].sequences[0].sampler_logprobs == trajectories[0].sequences[0].sampler_logprobs[:9]
     for run in out["runs"]:
         assert run["turns"] == 8 and run["update/samples"] == 4.0 and [g for g, _ in run["groups_handed"]] == [0, 1]
         assert run["step_seconds"] >= run["replay_seconds"] > 0
