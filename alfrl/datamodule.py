@@ -236,8 +236,7 @@ class RolloutDataModule(L.LightningDataModule):
         if rollout.stats.trajectory_end_seconds:  # half the trajectories had ended by then; the rest is the tail
             metrics["rollout/half_ended_seconds"] = statistics.median(rollout.stats.trajectory_end_seconds)
         if rollout.stats.tail_engine_steps:  # the engine's steps after that, with the batch emptying: the tail's step time
-            metrics["rollout/tail_steps"] = float(rollout.stats.tail_engine_steps)
-            metrics["rollout/tail_step_ms"] = 1000 * rollout.stats.tail_engine_seconds / rollout.stats.tail_engine_steps
+            metrics.update(rollout.stats.tail_figures())
             metrics.update(rollout.stats.tail_output_figures())  # vLLM: its core's step there, and how late this process took it
         if rollout.sleep_freed_gib is not None:
             metrics["engine/sleep_freed_gib"] = rollout.sleep_freed_gib

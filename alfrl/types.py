@@ -200,6 +200,13 @@ class RolloutStats:
             if output_times is not None:
                 self.tail_output_times.append(output_times)
 
+    def tail_figures(self) -> dict[str, float]:
+        """``rollout/tail_steps`` and ``rollout/tail_step_ms`` (their mean time), empty without a tail."""
+        if not self.tail_engine_steps:
+            return {}
+        return {"rollout/tail_steps": float(self.tail_engine_steps),
+                "rollout/tail_step_ms": 1000 * self.tail_engine_seconds / self.tail_engine_steps}
+
     def tail_output_figures(self) -> dict[str, float]:
         """Whether the tail waited on the engine or on this process (empty without output times; milliseconds, medians):
         ``rollout/tail_core_step_ms``, between the core's consecutive outputs (its step while busy: the turns' gaps are few);

@@ -11,7 +11,7 @@ needs a process of its own (MPS priority, tuned LoRA kernels, packed-row size), 
 Modes, one after the other in one run (``--step-modes``): ``beside`` (the fit's way: each group's passes start when its
 last trajectory's last turn ends), ``serial`` (the update after the replay, as a fit with ``update_during_rollout: false``
 runs it). Each: the replay's seconds and engine
-steps, its tail (the steps once half of the trajectories had ended: how many, their median ms), the update left after the
+steps, its tail (the steps once half of the trajectories had ended: how many, their mean ms), the update left after the
 replay, the sync, and their sum, the step. The samples are the saved turns with the sampler's log-probs and advantages
 of +1 and -1 by turns of trajectory (every sampled token trained, as in the update phase; a fit with no degenerate group
 trains all 64 too).
@@ -19,14 +19,13 @@ trains all 64 too).
 
 from __future__ import annotations
 
-import statistics
 import time
 from types import SimpleNamespace
 
 from replay_ceiling import on_vllm, replay  # bench/ (the script's folder is on sys.path)
 
 from alfrl.advantages import sample_of
-from alfrl.types import Sample, TokenSequence
+from alfrl.types import RolloutStats, Sample, TokenSequence
 from alfrl.update import GroupUpdate
 
 STEP_MODES = ("beside", "serial")
@@ -45,10 +44,13 @@ def turn_samples(trajectories, group_size: int) -> list[Sample]:
 
 
 def tail_figures(step_log: list[tuple[float, int]], trajectories: int) -> dict:
-    """The replay's tail as a fit's rollout logs it (``rollout/tail_steps``, ``rollout/tail_step_ms``): the engine steps
-    that began once half of the trajectories had ended, and their median milliseconds."""
-    tail = [seconds for seconds, ended in step_log if 2 * ended >= trajectories]
-    return {"tail_steps": len(tail), "tail_step_ms": 1000 * statistics.median(tail) if tail else 0.0}
+    """The replay's tail as a fit's rollout logs it (``RolloutStats``: the engine steps that began once half of the
+    trajectories had ended, and their mean milliseconds)."""
+    stats = RolloutStats()
+    for seconds, ended in step_log:
+        stats.engine_step(seconds, 2 * ended >= trajectories, None)
+    figures = stats.tail_figures()
+    return {"tail_steps": int(figures.get("rollout/tail_steps", 0)), "tail_step_ms": figures.get("rollout/tail_step_ms", 0.0)}
 
 
 def play_step(run_replay, policy, trajectories, group_size: int, temperature: float, optimizer, mode: str,
