@@ -130,7 +130,8 @@ case "${1:-}" in
     end=$(( $(date +%s) + ${2:-300} ))
     while [ "$(date +%s)" -lt "$end" ] && [ ! -f "$B/done" ]; do sleep 5; done
     cat "$B"/*.outcome 2>/dev/null
-    tar -czf "$OUT/bisect.tgz" -C "$B" $(cd "$B" && ls *.outcome *.log *.metrics.csv *.json *.txt 2>/dev/null) 2>/dev/null
+    # *.json.gz: a bench run's saved turns (--save-turns $B/turns.json.gz) come back, for the same work on a later lease
+    tar -czf "$OUT/bisect.tgz" -C "$B" $(cd "$B" && ls *.outcome *.log *.metrics.csv *.json *.json.gz *.txt 2>/dev/null) 2>/dev/null
     [ -f "$B/done" ] && echo "all done" ;;
   *) echo "usage: bash bench/gpu_bisect.sh pack COMMIT... | run COMMIT[@LABEL]... | wait N" >&2; exit 2 ;;
 esac
