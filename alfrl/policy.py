@@ -181,7 +181,9 @@ class AlfrlPolicy(L.LightningModule):
         self.model = get_peft_model(base, config)
         parts = (COMPILED_PARTS if hp.get("compile_layers", False) else ()) + (("self_attn",) if hp.get("compile_attention", False) else ())
         if parts:
-            compile_layers(base, parts=parts)
+            n = compile_layers(base, parts=parts)
+            log.warning("model.compile_layers / compile_attention: %d modules (%s) compile on the first update: expect it to run "
+                        "about a minute longer (57.65 s more on an H200 for the 1.5B model, bench/leases/2026-12-04f.md)", n, ", ".join(parts))
         if hp.init_adapter:
             self.load_adapter(hp.init_adapter)
 

@@ -365,10 +365,10 @@ def test_adapter_dtype_bfloat16_needs_a_bf16_model(random_model_dir):
         policy.score([1, 2, 3])
 
 
-def test_compile_layers_gives_the_same_log_probs_and_gradients_and_keeps_the_names(random_model_dir):
+def test_compile_layers_gives_the_same_log_probs_and_gradients_and_keeps_the_names(random_model_dir, caplog):
     # model.compile_layers: each decoder layer's MLP and norms through torch.compile (dynamic shapes), in place
     from alfrl.logprobs import causal_lm_of
-    from alfrl.models import compile_layers
+    from alfrl.models import COMPILED_PARTS, compile_layers
 
     torch.manual_seed(6)
     samples = [_sample(torch.randint(0, 1000, (n,)).tolist(), n // 3, a, traj=k) for k, (n, a) in enumerate(((24, 1.0), (31, -1.0), (17, 0.5)))]
@@ -378,7 +378,13 @@ def test_compile_layers_gives_the_same_log_probs_and_gradients_and_keeps_the_nam
                              compile_attention=compiled == "with_attention",
                              ppo=PPOConfig(microbatch_tokens=48))  # rows of different lengths: dynamic shapes
         torch.manual_seed(0)
+        caplog.clear()
         policy.configure_model()
+        said = [r.getMessage() for r in caplog.records if "compile on the first update" in r.getMessage()]
+        layers = len(causal_lm_of(policy.model).get_decoder().layers)
+        compiled_parts = (COMPILED_PARTS if compiled else ()) + (("self_attn",) if compiled == "with_attention" else ())
+        assert said == [] if not compiled else (len(said) == 1 and said[0].startswith(  # the user is told why the first update is slow
+            f"model.compile_layers / compile_attention: {len(compiled_parts) * layers} modules ({', '.join(compiled_parts)})"))
         for name, param in policy.model.named_parameters():
             if "lora_B" in name:
                 param.data.normal_(0, 0.05)
