@@ -50,6 +50,12 @@ else
 fi
 export PYTHONUNBUFFERED=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 TOKENIZERS_PARALLELISM=false
 
+gpu_range() {  # gpu_range FILE: "SM MHz a-b, GPU C a-b, W a-b" over the samples where the GPU was busy (utilization > 0)
+  [ -s "$1" ] || return 0
+  awk -F', *' '$6 + 0 > 0 { n++; for (i = 2; i <= 5; i++) { if (n == 1 || $i + 0 < lo[i]) lo[i] = $i + 0; if (n == 1 || $i + 0 > hi[i]) hi[i] = $i + 0 } }
+    END { if (n) printf "busy %d samples: SM MHz %d-%d, GPU C %d-%d, W %d-%d", n, lo[2], hi[2], lo[4], hi[4], lo[5], hi[5] }' "$1"
+}
+
 fit_at() {  # fit_at COMMIT[@LABEL]: two updates of that commit's code (HEAD: this checkout) with the run's overrides and
   # environment; its log and metrics kept under $B as LABEL (else COMMIT)
   local c=${1%%@*} label=${1#*@} dir
@@ -78,8 +84,15 @@ fit_at() {  # fit_at COMMIT[@LABEL]: two updates of that commit's code (HEAD: th
     cmd=("$PY" -m alfrl.cli fit --config $RECIPE "${ARGS[@]}" --trainer.max_steps "${BISECT_STEPS:-2}" --checkpoint.save_every 0
          --trainer.default_root_dir "$B/runs/$label" --progress_bar.refresh_rate 0 "${extra[@]}")
   fi
+  local smi=""  # the GPU's clocks, temperature and power every 2 s of the run (<label>.gpu.txt; the outcome line has their
+  # range): the same replay's engine steps took 11% longer in the lease's last run than in its first (2026-12-04f)
+  if command -v nvidia-smi > /dev/null; then
+    nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,temperature.gpu,power.draw,utilization.gpu --format=csv,noheader,nounits -l 2 \
+      > "$B/$label.gpu.txt" 2>&1 & smi=$!
+  fi
   (cd "$dir" && env "${envs[@]}" PYTHONPATH=/tmp/site:$dir timeout -k 20 "${!limit_of:-${BISECT_TIMEOUT:-600}}" "${cmd[@]}") > "$B/$label.log" 2>&1
   local rc=$?
+  [ -n "$smi" ] && kill "$smi" 2> /dev/null
   if [ -n "$mps" ]; then  # stopped before the next run, which must not find it
     echo quit | CUDA_MPS_PIPE_DIRECTORY=$mps nvidia-cuda-mps-control; sleep 2; cp "$mps/control.log" "$B/$label.mps.log" 2>/dev/null
   fi
@@ -100,7 +113,8 @@ for u in r.get("step",{}).get("runs",[]): print("step", u["mode"], int(1000*u["s
 c=r.get("ceiling",{}); print("ceiling", round(c["seconds"],2) if "seconds" in c else c.get("error","-")[-80:])' "$B/$label.json" 2>&1 | tail -1)"
   [ -f "$B/$label.metrics.csv" ] && what="$what; $(PYTHONPATH=/tmp/site:$REPO "$PY" "$REPO/bench/fit_table.py" --line "$B/$label.metrics.csv" 2>&1 | tail -1)"
   local sms; sms=$(grep -ao "alfrl: CUDA MPS: this process may use [0-9a-zA-Z]* SMs ([a-z_]* [0-9a-zA-Z]*)" "$B/$label.log" | head -1)
-  echo "$label ($c) rc=$rc $(( $(date +%s) - s ))s ${envs[*]} ${extra[*]} ${what:-(see $label.log)}${sms:+ [${sms#alfrl: }]}" > "$B/$label.outcome"
+  local gpu; gpu=$(gpu_range "$B/$label.gpu.txt")
+  echo "$label ($c) rc=$rc $(( $(date +%s) - s ))s ${envs[*]} ${extra[*]} ${what:-(see $label.log)}${sms:+ [${sms#alfrl: }]}${gpu:+ [$gpu]}" > "$B/$label.outcome"
 }
 
 case "${1:-}" in
