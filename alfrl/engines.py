@@ -27,6 +27,7 @@ all of them.
 from __future__ import annotations
 
 import copy
+import json
 import pathlib
 import time
 import zlib
@@ -118,7 +119,6 @@ class AdapterWeights:
         """This adapter as peft saves one (``adapter_config.json``, ``adapter_model.safetensors``) in ``folder``, tensor
         names through ``name``: what vLLM's ``add_lora`` loads in an engine of its own process. ``dtype``: cast on their
         device to what vLLM's loader casts them to anyway (its ``lora_dtype``): the same values, half the bytes of float32."""
-        import json
         import os
 
         from safetensors.torch import save_file
@@ -428,12 +428,33 @@ def vllm_gpu_name() -> str:
     return torch.cuda.get_device_name().replace(" ", "_").replace("-", "_") if torch.cuda.is_available() else "NO_GPU"
 
 
+LORA_DEFAULT_CHANGES_AT = 128
+"""vLLM 0.26's default LoRA shrink config changes at 128 rows (vllm/lora/ops/triton_ops/utils.py, get_lora_op_configs)."""
+
+
 def tuned_lora_folder(folder: str) -> str:
     """``folder`` (``data.engine.lora_kernel_configs``) made absolute, after checking it has files for this GPU (vLLM itself
-    only warns and falls back to its defaults)."""
+    only warns and falls back to its defaults), each with configs from ``LORA_DEFAULT_CHANGES_AT`` rows up: vLLM takes a
+    step's config from the nearest row count in the file, so a file that stops at 64 rows would run every prefill step of
+    up to 2,048 tokens with a config for 64 (bench/lora_tune.py writes vLLM's defaults at 127 and 128 rows)."""
     gpu = vllm_gpu_name()
-    missing = [name for name in (f"{gpu}_SHRINK.json", f"{gpu}_EXPAND_TRUE.json") if not (pathlib.Path(folder) / name).is_file()]
+    names = (f"{gpu}_SHRINK.json", f"{gpu}_EXPAND_TRUE.json")
+    missing = [name for name in names if not (pathlib.Path(folder) / name).is_file()]
     if missing:
         raise EngineError(f"data.engine.lora_kernel_configs={folder!r} has no {' or '.join(missing)} (tuned on another GPU?): "
                           f"tune on this one with `python bench/lora_tune.py --out {folder} ...`, or set it to null")
+    for name in names:
+        try:  # [max_loras][num_slices][rows][k][n] = config
+            tables = [by_rows for by_slices in json.loads((pathlib.Path(folder) / name).read_text()).values()
+                      for by_rows in by_slices.values()]
+            largest = min((max(int(rows) for rows in table) for table in tables), default=0)
+        except (ValueError, AttributeError, TypeError) as e:
+            raise EngineError(f"data.engine.lora_kernel_configs={folder!r}: {name} is not vLLM's tuned-config JSON "
+                              f"([max_loras][num_slices][rows][k][n]; {type(e).__name__}: {e}): write it again with "
+                              f"`python bench/lora_tune.py --out {folder} ...`, or set it to null") from None
+        if largest < LORA_DEFAULT_CHANGES_AT:
+            raise EngineError(f"data.engine.lora_kernel_configs={folder!r}: {name} has configs up to {largest} rows only, so vLLM "
+                              f"would run every larger step (prefill up to max_num_batched_tokens) with the {largest}-row one: "
+                              f"write it again with `python bench/lora_tune.py --out {folder} ...` (which adds vLLM's defaults at "
+                              f"127 and 128 rows), or set it to null")
     return str(pathlib.Path(folder).resolve())

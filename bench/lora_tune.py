@@ -15,7 +15,7 @@ where that is faster here: one parameter at a time over its values, the best kep
 as the engine runs it, replayed in a CUDA graph (20 calls, best of 5 replays; the shrink's zeroing of its buffer
 included), and checked against a matmul in float32 first. Row
 counts go smallest first (a rollout's tail), and the search stops at ``--budget-seconds``; shapes not reached keep
-vLLM's default. ``--report`` gets every shape's default and tuned microseconds and a decode step's LoRA time per row
+vLLM's default, and so do 127 and 128 rows where ``--rows`` leaves them out (``LOOKUP_GUARD_ROWS``). ``--report`` gets every shape's default and tuned microseconds and a decode step's LoRA time per row
 count (the layers' sum). ``--dry`` (no GPU): the shapes, keys and files, every config vLLM's default.
 """
 
@@ -34,6 +34,13 @@ SEARCH = {
     "expand": {"block_m": [16, 32, 64], "block_n": [32, 64, 128, 256], "block_k": [16, 32],
                "num_warps": [1, 2, 4, 8], "num_stages": [1, 2, 3, 4]},
 }
+
+
+LOOKUP_GUARD_ROWS = (127, 128)
+"""Row counts written with vLLM's default where ``--rows`` has none: the sixth lease of 2026-12-04 tuned 1-16 rows (the
+default at 32 and 64, the budget spent), and vLLM ran every prefill step of up to 2,048 tokens with the 64-row shrink
+config (its default below 128 rows: split_k 64) instead of its own for 128 and more (alfrl checks this:
+``alfrl.engines.tuned_lora_folder``)."""
 
 
 def default_config(op: str, rows: int, num_slices: int) -> dict:
@@ -208,6 +215,9 @@ def main(argv: list[str] | None = None) -> None:
             report["kernels"].append({"op": op, "rows": m, "num_slices": slices, "k": k, "n": n, "projections": names,
                                       "default_us": default_us, "tuned_us": best_us, "config": best})
             print(f"{op} {'+'.join(names)} rows {m}: {default_us:.2f} -> {best_us:.2f} us", flush=True)
+    for m in sorted(set(LOOKUP_GUARD_ROWS) - set(args.rows)):  # vLLM takes the nearest row count's config, and its own default
+        for (op, slices, k, n) in keys:  # changes at 128 rows: no larger step may run the largest tuned row count's config
+            found[(op, slices, m, k, n)] = default_config(op, m, slices)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     nested = nest(found, max_loras_key)

@@ -1,6 +1,7 @@
 """The asynchronous rollout: no round barrier, and the same trajectories as the round-based runner."""
 
 import dataclasses
+import json
 import os
 import signal
 import threading
@@ -399,5 +400,16 @@ def test_tuned_lora_kernel_configs_are_checked_and_reach_the_engine_core(monkeyp
         build()
     assert os.environ["VLLM_TUNED_CONFIG_FOLDER"] == "the environment's"
     monkeypatch.setattr(alfrl.engines, "vllm_gpu_name", lambda: "NVIDIA_H200")
+    table = lambda *rows: json.dumps({"2": {"1": {str(m): {"1536": {"32": {}}} for m in rows}}})  # noqa: E731 - [max_loras][slices][rows][k][n]
+    (folder / "NVIDIA_H200_SHRINK.json").write_text(table(1, 16, 64))
+    (folder / "NVIDIA_H200_EXPAND_TRUE.json").write_text(table(1, 128))
+    with pytest.raises(EngineError, match=r"NVIDIA_H200_SHRINK.json has configs up to 64 rows only, so vLLM would run every larger "
+                                          r"step \(prefill up to max_num_batched_tokens\) with the 64-row one"):
+        build()  # vLLM takes the nearest row count's config: a 2,048-token prefill step would run the 64-row one
+    (folder / "NVIDIA_H200_SHRINK.json").write_text("[1, 2]")
+    with pytest.raises(EngineError, match=r"NVIDIA_H200_SHRINK.json is not vLLM's tuned-config JSON"):
+        build()
+    assert os.environ["VLLM_TUNED_CONFIG_FOLDER"] == "the environment's"
+    (folder / "NVIDIA_H200_SHRINK.json").write_text(table(1, 16, 64, 127, 128))
     build()
     assert os.environ["VLLM_TUNED_CONFIG_FOLDER"] == str(folder.resolve())

@@ -267,7 +267,7 @@ def test_a_dead_engine_core_process_stops_the_run_with_one_line_that_says_what_t
         engine.step()
 
 
-def test_the_lora_tuner_searches_the_qwen_layers_kernel_shapes_and_writes_vllms_config_folder(tmp_path):
+def test_the_lora_tuner_searches_the_qwen_layers_kernel_shapes_and_writes_vllms_config_folder(tmp_path, monkeypatch):
     """bench/lora_tune.py without a GPU: the 1.5B model's LoRA kernels under vLLM's lookup keys, the coordinate search,
     and the two files vLLM reads from VLLM_TUNED_CONFIG_FOLDER ([max_loras][num_slices][m][k][n], the defaults in a dry run)."""
     import json
@@ -300,4 +300,10 @@ def test_the_lora_tuner_searches_the_qwen_layers_kernel_shapes_and_writes_vllms_
     shrink = json.loads((tmp_path / "cfg" / "NVIDIA_H200_SHRINK.json").read_text())
     expand = json.loads((tmp_path / "cfg" / "NVIDIA_H200_EXPAND_TRUE.json").read_text())
     assert shrink["2"]["3"]["1"]["1536"]["32"] == tune.default_config("shrink", 1, 3)
-    assert sorted(expand["2"]["1"]) == ["1", "64"] and expand["2"]["2"]["64"]["32"]["8960"]["block_n"] == 64
+    assert sorted(expand["2"]["1"], key=int) == ["1", "64", "127", "128"] and expand["2"]["2"]["64"]["32"]["8960"]["block_n"] == 64
+    # vLLM's defaults at 127 and 128 rows (its shrink default changes there): no step of more rows runs the 64-row config
+    assert (shrink["2"]["3"]["127"]["1536"]["32"]["split_k"], shrink["2"]["3"]["128"]["1536"]["32"]["split_k"]) == (64, 8)
+    from alfrl import engines
+
+    monkeypatch.setattr(engines, "vllm_gpu_name", lambda: "NVIDIA_H200")  # what the tuner writes passes the fit's check
+    assert engines.tuned_lora_folder(str(tmp_path / "cfg")) == str((tmp_path / "cfg").resolve())
