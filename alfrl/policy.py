@@ -112,6 +112,8 @@ class AlfrlPolicy(L.LightningModule):
         self._flop_counts: tuple[float, float] | None = None  # (body, output layer) parameters, for the update's flops
         self.linear_attention = None
         """The kernel chosen for linear-attention layers (alfrl.linear_attention.Choice), before the first update."""
+        self.compiled: tuple[int, tuple[str, ...]] | None = None
+        """(modules, parts) that model.compile_layers / compile_attention compile on their first call (told at the first update)."""
 
     @property
     def lora(self) -> LoRAConfig:
@@ -181,9 +183,7 @@ class AlfrlPolicy(L.LightningModule):
         self.model = get_peft_model(base, config)
         parts = (COMPILED_PARTS if hp.get("compile_layers", False) else ()) + (("self_attn",) if hp.get("compile_attention", False) else ())
         if parts:
-            n = compile_layers(base, parts=parts)
-            log.warning("model.compile_layers / compile_attention: %d modules (%s) compile on the first update: expect it to run "
-                        "about a minute longer (57.65 s more on an H200 for the 1.5B model, bench/leases/2026-12-04f.md)", n, ", ".join(parts))
+            self.compiled = (compile_layers(base, parts=parts), parts)  # compiled on their first call: told at the first update
         if hp.init_adapter:
             self.load_adapter(hp.init_adapter)
 
@@ -199,6 +199,10 @@ class AlfrlPolicy(L.LightningModule):
             self.linear_attention = select(self.model, self.hparams.get("linear_attention_kernel", "auto"), self.device)
             if self.linear_attention.kernel != "none":
                 log.warning("linear-attention layers: %s (%s)", self.linear_attention.kernel, self.linear_attention.reason)
+            if self.compiled:
+                log.warning("model.compile_layers / compile_attention: %d modules (%s) compile in this first update: expect it to "
+                            "take about a minute longer (57.65 s more on an H200 for the 1.5B model, bench/leases/2026-12-04f.md)",
+                            self.compiled[0], ", ".join(self.compiled[1]))
 
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
