@@ -452,6 +452,9 @@ def tuned_lora_folder(folder: str) -> str:
             raise EngineError(f"data.engine.lora_kernel_configs={folder!r}: {name} is not vLLM's tuned-config JSON "
                               f"([max_loras][num_slices][rows][k][n]; {type(e).__name__}: {e}): write it again with "
                               f"`python bench/lora_tune.py --out {folder} ...`, or set it to null") from None
+        if not tables:
+            raise EngineError(f"data.engine.lora_kernel_configs={folder!r}: {name} has no configs: write it again with "
+                              f"`python bench/lora_tune.py --out {folder} ...`, or set it to null")
         if largest < LORA_DEFAULT_CHANGES_AT:
             raise EngineError(f"data.engine.lora_kernel_configs={folder!r}: {name} has configs up to {largest} rows only, so vLLM "
                               f"would run every larger step (prefill up to max_num_batched_tokens) with the {largest}-row one: "

@@ -13,10 +13,11 @@ How: for each kernel, each packed projection's shape and each row count (vLLM pa
 looks its config up by the nearest row count), a coordinate search from vLLM's default, or from the last row count's best
 where that is faster here: one parameter at a time over its values, the best kept, twice over. Each candidate is timed
 as the engine runs it, replayed in a CUDA graph (20 calls, best of 5 replays; the shrink's zeroing of its buffer
-included), and checked against a matmul in float32 first. Row
-counts go smallest first (a rollout's tail), and the search stops at ``--budget-seconds``; shapes not reached keep
-vLLM's default, and so do 127 and 128 rows where ``--rows`` leaves them out (``LOOKUP_GUARD_ROWS``). ``--report`` gets every shape's default and tuned microseconds and a decode step's LoRA time per row
-count (the layers' sum). ``--dry`` (no GPU): the shapes, keys and files, every config vLLM's default.
+included), and checked against a matmul in float32 first. Row counts go smallest first (a rollout's tail), and the
+search stops at ``--budget-seconds``; shapes not reached keep vLLM's default, and so do 127 and 128 rows where
+``--rows`` leaves them out (``LOOKUP_GUARD_ROWS``). ``--report`` gets every shape's default and tuned microseconds and
+a decode step's LoRA time per row count (the layers' sum). ``--dry`` (no GPU): the shapes, keys and files, every
+config vLLM's default.
 """
 
 from __future__ import annotations

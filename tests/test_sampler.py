@@ -406,6 +406,9 @@ def test_tuned_lora_kernel_configs_are_checked_and_reach_the_engine_core(monkeyp
     with pytest.raises(EngineError, match=r"NVIDIA_H200_SHRINK.json has configs up to 64 rows only, so vLLM would run every larger "
                                           r"step \(prefill up to max_num_batched_tokens\) with the 64-row one"):
         build()  # vLLM takes the nearest row count's config: a 2,048-token prefill step would run the 64-row one
+    (folder / "NVIDIA_H200_SHRINK.json").write_text("{}")
+    with pytest.raises(EngineError, match=r"NVIDIA_H200_SHRINK.json has no configs: write it again"):
+        build()  # vLLM would quietly run its defaults (an empty file reads as none)
     (folder / "NVIDIA_H200_SHRINK.json").write_text("[1, 2]")
     with pytest.raises(EngineError, match=r"NVIDIA_H200_SHRINK.json is not vLLM's tuned-config JSON"):
         build()
