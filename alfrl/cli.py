@@ -172,7 +172,7 @@ def _expert(argv: list[str]) -> int:
         bar.set_postfix_str(f"skipped {skipped}")
         bar.refresh()
 
-    with EnvPool(dm.env_cfg.num_workers, dm.env_cfg.step_timeout, dm.env_cfg.reset_timeout) as pool:
+    with EnvPool(dm.env_cfg.num_workers, dm.env_cfg.step_timeout, dm.env_cfg.reset_timeout, nice=dm.env_cfg.nice) as pool:
         result = replay(lambda engine: RolloutRunner(engine, pool, fmt, dm.rollout, dm.reward), fmt, games,
                         dm.rollout.max_episode_steps, args.out, progress=progress)
     bar.close()

@@ -76,8 +76,9 @@ def _state_of(game_state, done: bool) -> tuple:
     return (game_state.feedback, admissible, won, bool(done) or won)
 
 
-def _worker_main(fd: int, fast_reset: bool = True, fast_step: bool = True) -> None:
-    """Serve environment commands on the socket ``fd`` until the parent closes it."""
+def _worker_main(fd: int, fast_reset: bool = True, fast_step: bool = True, nice: int = 0) -> None:
+    """Serve environment commands on the socket ``fd`` until the parent closes it, ``nice`` lower in priority."""
+    os.nice(nice)  # first, so every thread the imports start inherits it (niceness is per thread on Linux)
     import textworld
     from alfworld.agents.environment.alfred_tw_env import AlfredDemangler, AlfredInfos
 
@@ -173,8 +174,10 @@ class EnvPool:
     """
 
     def __init__(self, num_workers: int | None = None, step_timeout: float = 60.0, reset_timeout: float = 180.0,
-                 fast_reset: bool = True, fast_step: bool = True):
+                 fast_reset: bool = True, fast_step: bool = True, nice: int = 0):
         self.num_workers = num_workers or os.cpu_count() or 1
+        self.nice = nice
+        """Added to each worker's CPU niceness (``data.env.nice``)."""
         self.fast_reset = fast_reset
         """Workers translate each game once per reset instead of four times (``alfrl.fast_reset``)."""
         self.fast_step = fast_step
@@ -202,8 +205,8 @@ class EnvPool:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
         process = subprocess.Popen(
             [sys.executable, "-c", "import sys; from alfrl.envs import _worker_main; "
-             "_worker_main(int(sys.argv[1]), sys.argv[2] == '1', sys.argv[3] == '1')",
-             str(child.fileno()), "1" if self.fast_reset else "0", "1" if self.fast_step else "0"],
+             "_worker_main(int(sys.argv[1]), sys.argv[2] == '1', sys.argv[3] == '1', int(sys.argv[4]))",
+             str(child.fileno()), "1" if self.fast_reset else "0", "1" if self.fast_step else "0", str(self.nice)],
             pass_fds=[child.fileno()],
             stdin=subprocess.DEVNULL,
             env=env,

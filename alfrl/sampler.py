@@ -285,6 +285,9 @@ class EnvConfig:
     (16 workers) every group then started within 0.011 s and half of the trajectories had ended at 6.75-8.00 s against
     10.97-13.47 s (not pairs; bench/leases/2026-12-04b.md), so it is on in the 1.5B RL recipes; on the 2-core development
     machine the resets slowed the CPU update more than they saved."""
+    nice: int = 0
+    """Added to the workers' CPU niceness (0-19): above 0 they yield the CPU to the trainer and vLLM's engine core (every adapter
+    push over 1 s on the H200 came while prefetched resets ran: bench/leases/2026-12-04g.md; not yet measured with it)."""
 
     def problems(self, prefix: str = "data.env") -> list[str]:
         out = []
@@ -292,6 +295,8 @@ class EnvConfig:
             out.append(f"{prefix}.num_workers={self.num_workers} must be >= 1 (or null for the CPU count)")
         if self.step_timeout <= 0 or self.reset_timeout <= 0:
             out.append(f"{prefix}.step_timeout / reset_timeout must be > 0")
+        if not 0 <= self.nice <= 19:
+            out.append(f"{prefix}.nice={self.nice} must be 0-19 (0: the workers at the trainer's own CPU priority)")
         return out
 
 
@@ -364,7 +369,7 @@ class Sampler:
                 print(f"alfrl: CUDA MPS: this process may use {context_sm_count()} SMs (trainer_sm_percentage "
                       f"{engine.trainer_sm_percentage}) at priority {engine.trainer_mps_priority}; vLLM's engine core "
                       "every SM at normal", flush=True)
-        pool = EnvPool(env.num_workers, env.step_timeout, env.reset_timeout) if with_pool else None
+        pool = EnvPool(env.num_workers, env.step_timeout, env.reset_timeout, nice=env.nice) if with_pool else None
         return cls(sampling, pool, fmt, rollout, reward, evaluation, engine)
 
     # ------------------------------------------------------------ rollouts

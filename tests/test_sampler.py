@@ -203,6 +203,14 @@ def test_max_live_games_starts_the_next_game_when_one_ends(valid_games, fmt):
     assert RolloutConfig(max_live_games=-1).problems() == ["data.rollout.max_live_games=-1 must be >= 0 (0: every game at once)"]
 
 
+def test_the_workers_niceness_is_checked():
+    from alfrl.sampler import EnvConfig
+
+    assert EnvConfig(nice=19).problems() == []
+    for bad in (-1, 20):
+        assert EnvConfig(nice=bad).problems() == [f"data.env.nice={bad} must be 0-19 (0: the workers at the trainer's own CPU priority)"]
+
+
 def test_each_finished_group_is_handed_over_with_its_index_while_the_rollout_plays(valid_games, fmt):
     """``on_group(index, group)``: what the update of finished groups trains on during the rollout."""
     games = valid_games[:2]
