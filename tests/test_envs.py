@@ -156,7 +156,7 @@ def test_workers_run_at_the_niceness_asked_restarted_ones_too(valid_games):
         pid = pool.worker_pid_of(group.env_ids[0])
         assert os.getpriority(os.PRIO_PROCESS, pid) == want
         os.kill(pid, signal.SIGKILL)
-        (result,) = group.step(["look"])  # the dead worker is restarted, its environment rebuilt by replay
+        (result,) = group.step(["look"])  # the step on the dead worker fails and the worker is restarted
         assert isinstance(result, EnvFailure)
         assert pool.restarts == 1 and pool.worker_pid_of(group.env_ids[0]) != pid
         EnvGroup.create(pool, valid_games[0], 1).reset()  # served by the new worker: it has started
