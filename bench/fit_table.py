@@ -63,7 +63,9 @@ def line(path: str) -> str:
     steps = [m["seconds_step"] for m in ms]
     return (f"steps s {'/'.join(truncated(s, 3) for s in steps)} (mean {truncated(statistics.mean(steps), 3)}); longest "
             f"{series('rollout/completion_tokens_max', 0)} tok; tail ms {series('rollout/tail_step_ms', 3)}; core ms "
-            f"{series('rollout/tail_core_step_ms', 3)}; lag ms {series('rollout/tail_output_lag_ms', 3)}")
+            f"{series('rollout/tail_core_step_ms', 3)}; lag ms {series('rollout/tail_output_lag_ms', 3)}; sync s "
+            f"{series('sync/total_seconds', 2)}; load s {series('sync/load_seconds', 3)}; groups started s "
+            f"{series('rollout/last_group_started_seconds', 3)}")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -72,6 +72,8 @@ def test_make_train_runs_the_tiny_recipe(tmp_path, data_dir, tiny_model_dir):
     steps = [float(r["rollout/seconds"]) + float(r["train/update_seconds"]) + float(r["sync/total_seconds"]) for r in rows]
     assert len(fit_table.updates(str(csv_file))) == 2
     assert fit_table.line(str(csv_file)).startswith(f"steps s {'/'.join(fit_table.truncated(s, 3) for s in steps)} (mean ")
+    syncs = "/".join(fit_table.truncated(float(r["sync/total_seconds"]), 2) for r in rows)
+    assert f"; sync s {syncs}; load s -/-; groups started s " in fit_table.line(str(csv_file))  # no engine process here: no load
     assert fit_table.truncated(0.29, 2) == "0.29" and fit_table.truncated(26.9629, 3) == "26.962" and fit_table.truncated(51622.0, 0) == "51,622"
 
 
