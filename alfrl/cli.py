@@ -146,7 +146,6 @@ def _expert(argv: list[str]) -> int:
     from tqdm import tqdm
 
     from alfrl.chat import chat_format
-    from alfrl.envs import EnvPool
     from alfrl.expert import replay
     from alfrl.games import discover_games, shuffled
     from alfrl.recipe import load_recipe
@@ -172,7 +171,7 @@ def _expert(argv: list[str]) -> int:
         bar.set_postfix_str(f"skipped {skipped}")
         bar.refresh()
 
-    with EnvPool(dm.env_cfg.num_workers, dm.env_cfg.step_timeout, dm.env_cfg.reset_timeout, nice=dm.env_cfg.nice) as pool:
+    with dm.env_cfg.make_pool() as pool:
         result = replay(lambda engine: RolloutRunner(engine, pool, fmt, dm.rollout, dm.reward), fmt, games,
                         dm.rollout.max_episode_steps, args.out, progress=progress)
     bar.close()

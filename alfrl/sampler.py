@@ -299,6 +299,9 @@ class EnvConfig:
             out.append(f"{prefix}.nice={self.nice} must be 0-19 (0: the workers at the trainer's own CPU priority)")
         return out
 
+    def make_pool(self) -> EnvPool:
+        return EnvPool(self.num_workers, self.step_timeout, self.reset_timeout, nice=self.nice)
+
 
 @dataclass(frozen=True)
 class RolloutResult:
@@ -369,7 +372,7 @@ class Sampler:
                 print(f"alfrl: CUDA MPS: this process may use {context_sm_count()} SMs (trainer_sm_percentage "
                       f"{engine.trainer_sm_percentage}) at priority {engine.trainer_mps_priority}; vLLM's engine core "
                       "every SM at normal", flush=True)
-        pool = EnvPool(env.num_workers, env.step_timeout, env.reset_timeout, nice=env.nice) if with_pool else None
+        pool = env.make_pool() if with_pool else None
         return cls(sampling, pool, fmt, rollout, reward, evaluation, engine)
 
     # ------------------------------------------------------------ rollouts

@@ -209,6 +209,8 @@ def test_the_workers_niceness_is_checked():
     assert EnvConfig(nice=19).problems() == []
     for bad in (-1, 20):
         assert EnvConfig(nice=bad).problems() == [f"data.env.nice={bad} must be 0-19 (0: the workers at the trainer's own CPU priority)"]
+    with EnvConfig(num_workers=1, step_timeout=7, nice=2).make_pool() as pool:  # the one place a config becomes a pool
+        assert (pool.num_workers, pool.step_timeout, pool.nice) == (1, 7, 2)
 
 
 def test_each_finished_group_is_handed_over_with_its_index_while_the_rollout_plays(valid_games, fmt):
