@@ -287,7 +287,7 @@ class EnvConfig:
     machine the resets slowed the CPU update more than they saved."""
     nice: int = 0
     """Added to the workers' CPU niceness (0-19): above 0 they yield the CPU to the trainer and vLLM's engine core (every adapter
-    push over 1 s on the H200 came while prefetched resets ran: bench/leases/2026-12-04g.md; not yet measured with it)."""
+    push over 1 s on the H200 came while prefetched resets ran: bench/leases/2026-12-04g.md; one fit at 10, undecided: 2026-12-04h)."""
 
     def problems(self, prefix: str = "data.env") -> list[str]:
         out = []
