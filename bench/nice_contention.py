@@ -50,47 +50,39 @@ def work_tensors(path: str) -> None:
         t.float().to(torch.bfloat16).contiguous()
 
 
-def work_python(n: int = 300_000) -> None:
-    total = 0
-    for i in range(n):
-        total += i % 7
-    assert total >= 0
+def work_python(n: int = 300_000) -> int:
+    return sum(i % 7 for i in range(n))
+
+
+def timed(kind) -> float:
+    start = time.perf_counter()
+    kind()
+    return time.perf_counter() - start
 
 
 def timed_until(kind, done: threading.Event) -> list[float]:
     """``kind`` timed again and again until ``done`` is set (at least once)."""
-    out = []
-    while not out or not done.is_set():
-        start = time.perf_counter()
-        kind()
-        out.append(time.perf_counter() - start)
+    out = [timed(kind)]
+    while not done.is_set():
+        out.append(timed(kind))
     return out
 
 
 def one(games, workers: int, nice: int, per_worker: int, kinds: dict) -> dict:
     with EnvPool(num_workers=workers, nice=nice) as pool:
         EnvGroup.create(pool, games[0], workers).reset()  # every worker started (imports) before timing
-        ended = threading.Event()
-        ended.set()  # nothing running: each kind once, three times
-        idle = {name: [timed_until(kind, ended)[0] for _ in range(3)] for name, kind in kinds.items()}
-        row = {"nice": nice, "idle": idle, "busy": {}}
+        idle = {name: [timed(kind) for _ in range(3)] for name, kind in kinds.items()}  # nothing running
+        row = {"nice": nice, "idle": idle, "busy": {}, "resets_seconds": {}}
         for name, kind in kinds.items():
             groups = [EnvGroup.create(pool, g, 1) for g in games[:workers * per_worker]]
-            tickets = {t for g in groups for t in pool.submit(g.reset_ops())}
             done = threading.Event()
             started = time.perf_counter()
-
-            def collect():
-                pending = set(tickets)
-                while pending:
-                    pending -= {t for t, _ in pool.poll(0.05)}
-                done.set()
-
-            collector = threading.Thread(target=collect, daemon=True)
-            collector.start()
+            # the resets in a thread (the only one touching the pool meanwhile), this process's work in this one
+            resets = threading.Thread(target=lambda: (pool.run([op for g in groups for op in g.reset_ops()]), done.set()), daemon=True)
+            resets.start()
             row["busy"][name] = timed_until(kind, done)
-            collector.join()
-            row.setdefault("resets_seconds", {})[name] = time.perf_counter() - started
+            resets.join()
+            row["resets_seconds"][name] = time.perf_counter() - started
             for g in groups:
                 g.close()
     return row
