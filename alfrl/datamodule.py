@@ -25,7 +25,8 @@ from alfrl.evaluation import EvalConfig
 from alfrl.games import DataError, Game, fingerprint, scan_games, shuffled
 from alfrl.rewards import RewardConfig
 from alfrl.rollout import RolloutConfig, rollout_metrics
-from alfrl.sampler import EngineConfig, EnvConfig, Sampler
+from alfrl.sampler import Sampler
+from alfrl.sampler_config import EngineConfig, EnvConfig
 from alfrl.types import RolloutProgress, Sample, TrajectoryGroup
 
 log = logging.getLogger(__name__)

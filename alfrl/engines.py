@@ -26,8 +26,10 @@ all of them.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
+import os
 import pathlib
 import time
 import zlib
@@ -421,6 +423,27 @@ def counters_from_metrics(metrics: Iterable) -> EngineCounters:
         draft_tokens=int(values.get("vllm:spec_decode_num_draft_tokens", 0)),
         accepted_draft_tokens=int(values.get("vllm:spec_decode_num_accepted_tokens", 0)),
     )
+
+
+@contextlib.contextmanager
+def cpu_threads_for_children(threads: int | None):
+    """Processes started inside (vLLM's engine core: ``data.engine.core_cpu_threads``) run torch at ``threads`` CPU threads:
+    a spawned one reads ``OMP_NUM_THREADS``, a forked one keeps this process's torch setting, so both are set here and this
+    process's come back after. None: nothing changes."""
+    if threads is None:
+        yield
+        return
+    before, before_env = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+        if before_env is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = before_env
 
 
 def vllm_gpu_name() -> str:

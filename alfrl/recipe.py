@@ -25,7 +25,7 @@ from alfrl.games import SPLITS, DataError, discover_games
 from alfrl.policy import AlfrlPolicy
 from alfrl.rewards import RewardConfig
 from alfrl.rollout import RolloutConfig
-from alfrl.sampler import EngineConfig, EnvConfig
+from alfrl.sampler_config import EngineConfig, EnvConfig
 from alfrl.sft import ExpertDataModule, SFTPolicy
 from callbacks import Checkpointing, PeriodicEval, RolloutProgressBar, SamplerWeightSync
 

@@ -110,6 +110,9 @@ for n,d in r.get("decode",{}).items():
   if isinstance(d,dict) and "runs" in d: print(n, "rows ms/step", *[x["requests"] + " " + format(x["ms_per_token_step"], ".3f") for x in d["runs"]], end="; ")
 for u in r.get("step",{}).get("runs",[]): print("step", u["mode"], int(1000*u["step_seconds"])/1000, "s, replay", int(1000*u["replay_seconds"])/1000,
   "tail", u["tail_steps"], "x", int(1000*u["tail_step_ms"])/1000, "ms, after", int(1000*u["update_after_replay_seconds"])/1000, end="; ")
+for m in ("alone", "beside_resets"):
+  p=r.get("pushes",{}).get(m,[])
+  if p: print("pushes", m, "load s", *[int(1000*x.get("sync/load_seconds",-1))/1000 for x in p], end="; ")
 c=r.get("ceiling",{}); print("ceiling", round(c["seconds"],2) if "seconds" in c else c.get("error","-")[-80:])' "$B/$label.json" 2>&1 | tail -1)"
   [ -f "$B/$label.metrics.csv" ] && what="$what; $(PYTHONPATH=/tmp/site:$REPO "$PY" "$REPO/bench/fit_table.py" --line "$B/$label.metrics.csv" 2>&1 | tail -1)"
   local sms; sms=$(grep -ao "alfrl: CUDA MPS: this process may use [0-9a-zA-Z]* SMs ([a-z_]* [0-9a-zA-Z]*)" "$B/$label.log" | head -1)

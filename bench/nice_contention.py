@@ -1,15 +1,18 @@
 """The trainer's CPU work while every environment worker resets a game, with the workers at this process's priority and
 niced (``data.env.nice``): what a prefetched reset costs the work it overlaps on a machine with one worker per CPU.
 
-    python bench/nice_contention.py [--nice 0 10] [--rounds 3] [--resets-per-worker 3] --out bench/out/nice_contention.json
+    python bench/nice_contention.py [--nice 0 10] [--threads N ...] [--rounds 3] [--resets-per-worker 3] --out bench/out/nice_contention.json
 
 In a fit the next step's resets (``data.env.prefetch_resets``) run while the update finishes and the weight sync loads
 the adapter into vLLM's engine core (bench/leases/2026-12-04g.md: every push over 1 s came then). Here, per round and
 per niceness (alternating, a fresh pool each, the same games), the pool's workers reset ``--resets-per-worker`` games
 each while this process repeats two kinds of work until the resets end: ``tensors`` (a LoRA adapter of the 1.5B
 model's shapes, rank 32 on every linear layer, 73.8 MB in bf16, read from a safetensors file and cast, as a loader
-does) and ``python`` (a fixed pure-Python loop, as a scheduler's). Each kind is timed alone first (``idle``: the
-workers started, nothing submitted). The figures are this machine's CPU, not a GPU machine's.
+does) and ``python`` (a fixed pure-Python loop, as a scheduler's). ``tensors`` runs once per ``--threads`` value (torch's CPU
+threads for it, ``torch.set_num_threads``; default torch's own, one per CPU, and 1): each of its ops waits for all of its threads,
+so with every CPU taken by a worker the count matters (vLLM's engine core runs with torch's default unless
+``data.engine.core_cpu_threads`` says otherwise). Each kind is timed alone first (``idle``: the workers started, nothing
+submitted). The figures are this machine's CPU, not a GPU machine's.
 """
 
 from __future__ import annotations
@@ -48,6 +51,16 @@ def write_adapter(path: str, rank: int = 32, layers: int = 28) -> int:
 def work_tensors(path: str) -> None:
     for t in load_file(path).values():
         t.float().to(torch.bfloat16).contiguous()
+
+
+def with_threads(threads: int, work) -> None:
+    """``work()`` with torch at ``threads`` CPU threads, this process's count restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        work()
+    finally:
+        torch.set_num_threads(before)
 
 
 def work_python(n: int = 300_000) -> int:
@@ -91,20 +104,23 @@ def one(games, workers: int, nice: int, per_worker: int, kinds: dict) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nice", nargs="+", type=int, default=[0, 10])
+    parser.add_argument("--threads", nargs="+", type=int, default=sorted({torch.get_num_threads(), 1}, reverse=True),
+                        help="torch CPU threads for the tensors work, one kind each (default torch's own, then 1)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--resets-per-worker", type=int, default=3)
     parser.add_argument("--data-dir", default=None)
     parser.add_argument("--out", default="bench/out/nice_contention.json")
     args = parser.parse_args()
-    if not all(0 <= n <= 19 for n in args.nice) or args.rounds < 1 or args.workers < 1 or args.resets_per_worker < 1:
-        parser.error(f"--nice {args.nice} (each 0-19), --rounds {args.rounds}, --workers {args.workers}, "
+    if not all(0 <= n <= 19 for n in args.nice) or min(args.rounds, args.workers, args.resets_per_worker, *args.threads) < 1:
+        parser.error(f"--nice {args.nice} (each 0-19), --threads {args.threads}, --rounds {args.rounds}, --workers {args.workers}, "
                      f"--resets-per-worker {args.resets_per_worker} (each >= 1)")
     games = sorted(discover_games(args.data_dir, ["valid_seen"]), key=lambda g: g.id)[: args.workers * args.resets_per_worker]
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "adapter.safetensors")
         size = write_adapter(path)
-        kinds = {"tensors": lambda: work_tensors(path), "python": work_python}
+        kinds = {f"tensors, {n} threads": (lambda n=n: with_threads(n, lambda: work_tensors(path))) for n in args.threads}
+        kinds["python"] = work_python
         rows = [one(games, args.workers, nice, args.resets_per_worker, kinds) for _ in range(args.rounds) for nice in args.nice]
     summary = {}
     for nice in args.nice:

@@ -1,7 +1,7 @@
 """One GPU process, one engine, side by side: the Sampler's speed, the weight sync's checks, the update's MFU.
 
     python bench/sampler_bench.py --recipe recipes/qwen15b_coder_h200.yaml --out bench.json [--eval-out base.jsonl]
-        [--phases ceiling runners replay eval update sync step decode] [--dry]
+        [--phases ceiling runners replay eval update sync step decode pushes] [--dry]
 
 Phases (figures into one JSON; each phase's errors are recorded, the others still run):
 - ceiling: the engine alone (no environment): 8 groups x 8 sequences sharing a 1,000-token start,
@@ -30,6 +30,10 @@ Phases (figures into one JSON; each phase's errors are recorded, the others stil
 - decode: for each of ``--decode-rows`` (1 8 64), that many random 1,000-token prompts each sampling ``--decode-tokens``
   (256), with a non-zero adapter served and on the same engine without it (two passes, alternating): what serving the
   LoRA costs per engine step where a rollout's tail runs (a few rows) and where its bulk does.
+- pushes: a fit's weight sync (the adapter gathered, written, loaded by the engine, probed) alone and right after the
+  next rollout's resets were submitted (``Sampler.prefetch``: every worker resetting, as in a fit's prefetched window),
+  alternating, ``--pushes`` of each: where a fit's adapter loads ran long (bench/leases/2026-12-04i.md); run it with
+  and without ``--data.engine.core_cpu_threads 1`` or ``--data.env.nice 10`` for the side by side.
 
 ``--dry`` runs the phases that need no vLLM on the CPU with the recipe's HF engine (tiny model).
 """
@@ -212,6 +216,29 @@ def sync_phase(out: dict, sampler, policy, samples, temperature: float, dry: boo
         out[f"real_sync_after_skip_lr_{lr:g}"] = attempt(checked)
 
 
+def pushes_phase(sampler, policy, games, group_size: int, rounds: int) -> dict:
+    """``rounds`` syncs alone and ``rounds`` beside freshly submitted resets, alternating; the same adapter each time (what
+    a load costs does not depend on the values). Each run: its seconds (the probes included), the ``sync/*seconds`` parts
+    (the push, its gather, write, load and swap), and how many of the resets were back when it ended."""
+    runs: dict = {"alone": [], "beside_resets": []}
+    for _ in range(rounds):
+        for mode, out in runs.items():
+            policy.weight_version += 1
+            if mode == "beside_resets":
+                sampler.prefetch(games, group_size)
+            metrics, seconds = timed(lambda: sampler.sync(policy))
+            p = sampler._prefetch  # noqa: SLF001 - how far the resets had got when the push ended
+            back = [len(p.early), sum(len(t) for t in p.tickets)] if p is not None else None
+            sampler.drop_prefetch()
+            out.append({"seconds": seconds, "resets_back_at_end": back, **{k: v for k, v in metrics.items() if k.endswith("seconds")}})
+    for mode in list(runs):
+        for key in ("seconds", "sync/load_seconds"):
+            values = [r[key] for r in runs[mode] if key in r]
+            if values:
+                runs[f"{mode} {key}"] = quantiles(values)
+    return runs
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--recipe", required=True)
@@ -240,13 +267,14 @@ def main() -> None:
                         help="step phase: the update beside the replay (a fit's way) and/or after it")
     parser.add_argument("--decode-rows", nargs="+", type=int, default=[1, 8, 64], help="decode phase: batch sizes")
     parser.add_argument("--decode-tokens", type=int, default=256, help="decode phase: tokens each row samples")
+    parser.add_argument("--pushes", type=int, default=4, help="pushes phase: syncs alone and beside resets, this many of each")
     parser.add_argument("--dry", action="store_true", help="CPU check with the recipe's HF engine (no vLLM phases)")
     parser.add_argument("overrides", nargs="*", help="recipe overrides, e.g. --data.engine.gpu_memory_utilization=0.5")
     args = parser.parse_args()
     if min(args.decode_rows) < 1 or args.decode_tokens < 1:
         parser.error(f"--decode-rows {args.decode_rows} --decode-tokens {args.decode_tokens}: give 1 or more of each")
-    if args.repeats < 1:
-        parser.error(f"--repeats {args.repeats}: give 1 or more rollouts per schedule")
+    if args.repeats < 1 or args.pushes < 1:
+        parser.error(f"--repeats {args.repeats} --pushes {args.pushes}: give 1 or more of each")
     if args.replay_turns and not os.path.isfile(args.replay_turns):
         parser.error(f"--replay-turns {args.replay_turns}: no such file; write it first with --save-turns in another run")
     by_name = {v[0]: v for v in UPDATE_VARIANTS}
@@ -345,6 +373,11 @@ def main() -> None:
                     save()
                     print(f"decode {r} rows, ms a step:", *(f"{x['requests']} {x['ms_per_token_step']:.3f}" for x in decoded[str(r)]["runs"]),
                           flush=True)
+            elif phase == "pushes":  # the sync alone and in the prefetched resets' window (dry: the hf engine's)
+                pushed = report["phases"]["pushes"] = pushes_phase(sampler, policy, games, dm.group_size, args.pushes)
+                for mode in ("alone", "beside_resets"):
+                    print(f"pushes {mode}: s", *(f"{r['seconds']:.3f}" for r in pushed[mode]), "load s",
+                          *(f"{r.get('sync/load_seconds', float('nan')):.3f}" for r in pushed[mode]), flush=True)
             elif phase == "eval":
                 cfg = dm.eval_cfg
                 if args.dry:
