@@ -11,7 +11,8 @@ runner, the weight sync with its probe, and evaluation:
     sampler.close()
 
 The DataModule makes its batches with ``rollout``, the weight-sync callback calls ``sync``, and
-``alfrl eval``, ``alfrl rollout`` and the benchmarks use the same calls.
+``alfrl eval``, ``alfrl rollout`` and the benchmarks use the same calls. Its settings (``EngineConfig``, ``EnvConfig``)
+are in ``alfrl.sampler_config``, re-exported here.
 """
 
 from __future__ import annotations
