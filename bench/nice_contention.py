@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from alfrl.engines import cpu_threads_for_children
 from alfrl.envs import EnvGroup, EnvPool
 from alfrl.games import discover_games
 
@@ -48,19 +49,12 @@ def write_adapter(path: str, rank: int = 32, layers: int = 28) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
-def work_tensors(path: str) -> None:
-    for t in load_file(path).values():
-        t.float().to(torch.bfloat16).contiguous()
-
-
-def with_threads(threads: int, work) -> None:
-    """``work()`` with torch at ``threads`` CPU threads, this process's count restored after."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        work()
-    finally:
-        torch.set_num_threads(before)
+def work_tensors(path: str, threads: int) -> None:
+    """The adapter read and cast with torch at ``threads`` CPU threads: the setting alfrl starts vLLM's engine core with
+    (``data.engine.core_cpu_threads``), set here the same way for this process and restored after."""
+    with cpu_threads_for_children(threads):
+        for t in load_file(path).values():
+            t.float().to(torch.bfloat16).contiguous()
 
 
 def work_python(n: int = 300_000) -> int:
@@ -119,7 +113,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "adapter.safetensors")
         size = write_adapter(path)
-        kinds = {f"tensors, {n} threads": (lambda n=n: with_threads(n, lambda: work_tensors(path))) for n in args.threads}
+        kinds = {f"tensors, {n} threads": (lambda n=n: work_tensors(path, n)) for n in args.threads}
         kinds["python"] = work_python
         rows = [one(games, args.workers, nice, args.resets_per_worker, kinds) for _ in range(args.rounds) for nice in args.nice]
     summary = {}
