@@ -137,6 +137,10 @@ class Engine(Protocol):
     name: str
     shares_policy: bool
     """True when the engine samples from the trainer's own module (nothing to sync)."""
+    guard_trainer_memory: bool
+    """True when the engine holds GPU memory through an allocator of its own in the trainer's process (vLLM in-process),
+    where a write into the trainer's memory was seen: the training step then checks its memory across the rollout and the
+    sync (``alfrl.guard``). An engine in a process of its own, or one on torch's allocator, cannot write there."""
     last_output_times: tuple[float, float] | None
     """After ``step``: when the engine made what it returned and when this process took it (``time.monotonic()``); None
     where both are one moment (an engine in this process's own loop)."""
@@ -180,6 +184,7 @@ class InProcessEngine:
     ``submit`` / ``step`` on top of ``generate`` (a step generates every queued request)."""
 
     shares_policy = True
+    guard_trainer_memory = False
     last_output_times = None
     push_seconds: Mapping[str, float] = MappingProxyType({})
 

@@ -9,7 +9,13 @@ step) and the same fits eager, or compiled without graphs, ran clean. Something 
 after an update and compares it before the next: the rollout, the sync and evaluation in between change none of them.
 A difference stops the run at once, naming the tensors, instead of an update later as a NaN. A change that leaves
 every sum bit-identical escapes it. About 1,500 small sums for the 1.5B model: 0.09-0.11 s a fit's first step on the
-H200 (bench/leases/2026-12-03a.md).
+H200 (bench/leases/2026-12-03a.md); a take and a check on the step's path cost 0.165-0.380 s per update in the 2026-12-04
+fits (g, h, i: ``train/memory_guard_seconds``, the sum so far).
+
+The training step guards only with an engine whose ``guard_trainer_memory`` is true: vLLM's engine core in this process
+(``data.engine.separate_process: false``). A core in a process of its own (the 1.5B recipes' since 2026-12-04, the fits
+above) has a CUDA context of its own and cannot write into this one's memory; the hf engine allocates through torch's
+own allocator, as the trainer does.
 
 There the guard stopped the graph fits after the second rollout: the rollout and the sync had changed 6 of the
 optimizer's state tensors (finite values, one contiguous stretch of memory). AdamW made that state at its first step,

@@ -107,7 +107,8 @@ class AlfrlPolicy(L.LightningModule):
         self.skipped_steps = 0
         """Optimizer steps skipped for a non-finite gradient (logged)."""
         self.guard = MemoryGuard()
-        """Parameters and optimizer state must come out of each rollout and sync as the last update left them."""
+        """Parameters and optimizer state must come out of each rollout and sync as the last update left them (with an
+        engine whose ``guard_trainer_memory`` says it could change them)."""
         self._lora_layers: list[torch.nn.Module] | None = None
         self._flop_counts: tuple[float, float] | None = None  # (body, output layer) parameters, for the update's flops
         self.linear_attention = None
@@ -321,14 +322,16 @@ class AlfrlPolicy(L.LightningModule):
         # dataloader_iter: the batch for step t is played only after update t-1 and its weight sync
         # (Lightning would otherwise prefetch the next batch before this step runs).
         optimizer = self.optimizers().optimizer
-        if self.guard.taken is None:
-            self.guard.take(self.model, optimizer)
         dm = self.trainer.datamodule
+        guarded = dm.connect(self).engine.guard_trainer_memory  # an engine that can write into this process's memory
+        if guarded and self.guard.taken is None:
+            self.guard.take(self.model, optimizer)
         early = self.group_update(dm) if self.ppo.update_during_rollout else None  # step 3 of each group as it finishes
         try:
             dm.samples_listener = early.add if early is not None else None
             batch, _, _ = next(dataloader_iter)  # steps 1-2: the rollout, its advantages and samples
-            self.guard.check(self.model, optimizer, "the rollout and the weight sync since the last update")
+            if guarded:
+                self.guard.check(self.model, optimizer, "the rollout and the weight sync since the last update")
         except BaseException:
             if early is not None:  # its worker stopped, its gradients dropped
                 early.abort()
@@ -339,8 +342,9 @@ class AlfrlPolicy(L.LightningModule):
             stats = early.finish(batch.samples, self.optimizers().step)
         else:  # step 3
             stats = self.update(batch.samples, temperature=batch.temperature)
-        self.guard.take(self.model, optimizer)
-        stats["memory_guard_seconds"] = self.guard.seconds
+        if guarded:
+            self.guard.take(self.model, optimizer)
+            stats["memory_guard_seconds"] = self.guard.seconds
         self.weight_version += 1
         metrics = {**batch.metrics, **{f"train/{k}": v for k, v in stats.items()}}
         shown = ("train/loss", "rollout/success_rate", "rollout/reward_mean")

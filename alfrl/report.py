@@ -165,10 +165,13 @@ TRAIN_COLUMNS = {
     "seconds_rollout": "rollout/seconds",
     "seconds_update": "train/update_seconds",
     "seconds_sync": "sync/total_seconds",
+    "seconds_wall": "step/seconds",
 }
 STEP_PARTS = ("seconds_rollout", "seconds_update", "seconds_sync")
-"""A training step's wall time in the log: the rollout, the update's part after it (with ``update_during_rollout`` the rest
-ran beside the rollout) and the weight sync; their sum is the row's ``seconds_step``."""
+"""A training step's three timed parts in the log: the rollout, the update's part after it (with ``update_during_rollout``
+the rest ran beside the rollout) and the weight sync; their sum is the row's ``seconds_step``. The step's wall clock,
+``seconds_wall`` (``step/seconds``, logged since 2026-12-04), also holds what lies between them (the engine's probe after
+the rollout, the samples, the memory guard, the logging): the row's ``seconds_other``, wall minus the parts."""
 
 
 def _log_order(f: Path) -> tuple[int, float, str]:
@@ -208,6 +211,8 @@ def training_rows(sources: list[str], columns: dict[str, str] = TRAIN_COLUMNS) -
                     row[name] = float(value) if value not in (None, "") else None
                 parts = [row[k] for k in STEP_PARTS]
                 row["seconds_step"] = None if None in parts else sum(parts)
+                wall = row.get("seconds_wall")
+                row["seconds_other"] = None if wall is None or row["seconds_step"] is None else wall - row["seconds_step"]
                 by_step[row["step"]] = row
     return [by_step[k] for k in sorted(by_step)]
 
@@ -215,8 +220,9 @@ def training_rows(sources: list[str], columns: dict[str, str] = TRAIN_COLUMNS) -
 def training_markdown(rows: list[dict]) -> str:
     """Where the training steps' time went: mean, min and max seconds of each part over the logged updates."""
     lines = [f"\n## Training steps ({len(rows)} updates, seconds)\n", "| part | mean | min | max |", "|---|---|---|---|"]
-    for key, label in (("seconds_step", "step"), ("seconds_rollout", "rollout"), ("seconds_update", "update after the rollout"),
-                       ("seconds_sync", "weight sync")):
+    for key, label in (("seconds_wall", "step, wall clock"), ("seconds_step", "step, its three parts"), ("seconds_rollout", "rollout"),
+                       ("seconds_update", "update after the rollout"), ("seconds_sync", "weight sync"),
+                       ("seconds_other", "between the parts (wall clock - parts)")):
         values = [r[key] for r in rows if r.get(key) is not None]
         if values:
             lines.append(f"| {label} | {sum(values) / len(values):.2f} | {min(values):.2f} | {max(values):.2f} |")
@@ -233,7 +239,7 @@ def training_outputs(rows: list[dict], out: Path) -> list[Path]:
 
     table = out / "training.csv"
     with open(table, "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=["step", *TRAIN_COLUMNS, "seconds_step"])
+        writer = csv.DictWriter(fh, fieldnames=["step", *TRAIN_COLUMNS, "seconds_step", "seconds_other"])
         writer.writeheader()
         writer.writerows(rows)
     steps = [r["step"] + 1 for r in rows]  # update number (1-based)

@@ -122,6 +122,7 @@ class VLLMEngine:
             raise EngineError("a vLLM engine in a separate process takes no sleep mode and no high-priority stream (both act on "
                               "this process's GPU memory and streams): set data.engine.separate_process: false or turn them off")
         self.separate_process = separate_process
+        self.guard_trainer_memory = not separate_process  # a core in this process allocates in the trainer's CUDA context
         # the engine core in this process (0), or in one vLLM spawns (1; spawned, never forked: this process has CUDA and threads)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if separate_process else "0"
         if separate_process:

@@ -3,6 +3,11 @@
 The pushing and the checks (counts, probe gap, probe response) live in the Sampler
 (``alfrl.sync.WeightSync``); this callback asks for them at the start of training and after every update, and logs its ``sync/``
 metrics. A failed check stops the run with ``WeightSyncError``.
+
+The sync ends a training step, so this callback also logs the step's wall clock, ``step/seconds``: from Lightning's start
+of the batch (the rollout begins in the training step) to the end of its sync. It holds what the parts logged apart
+(``rollout/seconds``, ``train/update_seconds``, ``sync/total_seconds``) leave out: the engine's probe after the rollout, the
+samples, the memory guard, the logging. A checkpoint or an evaluation after the sync is not in it (``checkpoint/seconds``).
 """
 
 from __future__ import annotations
@@ -34,6 +39,10 @@ class SamplerWeightSync(L.Callback):
         self.check = check
         self.canary_at_step = canary_at_step
         self.last: dict[str, float] = {}
+        self.step_started: float | None = None
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module, batch, batch_idx: int) -> None:
+        self.step_started = time.perf_counter()
 
     def on_train_start(self, trainer: L.Trainer, pl_module) -> None:
         self.sync(trainer, pl_module)
@@ -47,7 +56,11 @@ class SamplerWeightSync(L.Callback):
                         "caught" if canary["sync/canary_caught"] else "NOT caught", canary.get("sync/canary_message", ""))
         self.sync(trainer, pl_module)
         self.last.update({k: v for k, v in canary.items() if isinstance(v, float)})
-        self.last["sync/total_seconds"] = time.perf_counter() - started  # the engine's wake-up, the canary, push and checks
+        ended = time.perf_counter()
+        self.last["sync/total_seconds"] = ended - started  # the engine's wake-up, the canary, push and checks
+        if self.step_started is not None:
+            self.last["step/seconds"] = ended - self.step_started
+            self.step_started = None
         for key, value in self.last.items():
             pl_module.log(key, value, on_step=True, batch_size=1)
 

@@ -174,19 +174,21 @@ def test_report_training_curves_merge_a_resumed_run(tmp_path):
     from alfrl.report import training_rows
 
     header = ("epoch,rollout/invalid_actions_mean,rollout/reward_mean,rollout/success_rate,rollout/trajectories,step,train/loss,"
-              "rollout/seconds,train/update_seconds,sync/total_seconds\n")
+              "rollout/seconds,train/update_seconds,sync/total_seconds,step/seconds\n")
     v0 = tmp_path / "run" / "csv" / "version_0"
     v1 = tmp_path / "run" / "csv" / "version_1"
     v0.mkdir(parents=True)
     v1.mkdir(parents=True)
-    (v0 / "metrics.csv").write_text(header + "0,3.0,-0.3,0.0,64,0,,20.0,6.0,0.5\n0,,,,,0,0.5,,,\n0,2.0,-0.1,0.125,64,1,,,,\n")
-    (v1 / "metrics.csv").write_text(header + "0,1.5,0.05,0.25,64,1,,30.0,1.0,0.5\n0,1.0,0.2,0.375,64,2,,16.0,5.0,0.5\n")
+    (v0 / "metrics.csv").write_text(header + "0,3.0,-0.3,0.0,64,0,,20.0,6.0,0.5,\n0,,,,,0,0.5,,,,\n0,2.0,-0.1,0.125,64,1,,,,,\n")
+    (v1 / "metrics.csv").write_text(header + "0,1.5,0.05,0.25,64,1,,30.0,1.0,0.5,32.0\n0,1.0,0.2,0.375,64,2,,16.0,5.0,0.5,22.25\n")
     rows = training_rows([str(tmp_path / "run")])
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert [r["reward"] for r in rows] == [-0.3, 0.05, 0.2]
     assert [r["success"] for r in rows] == [0.0, 0.25, 0.375]
     assert [r["invalid_actions"] for r in rows] == [3.0, 1.5, 1.0]
     assert [r["seconds_step"] for r in rows] == [26.5, 31.5, 21.5]  # rollout + the update after it + sync
+    assert [r["seconds_wall"] for r in rows] == [None, 32.0, 22.25]  # the wall clock, where logged (since 2026-12-04)
+    assert [r["seconds_other"] for r in rows] == [None, 0.5, 0.75]  # and what the three parts leave out
 
     result = tmp_path / "result.jsonl"
     header_rec = {"type": "header", "config": {}, "config_hash": "x", "games": ["g"]}
@@ -201,8 +203,30 @@ def test_report_training_curves_merge_a_resumed_run(tmp_path):
     assert (out / "training.csv").read_text().splitlines()[0].startswith("step,reward,success,invalid_actions")
     assert len((out / "training.csv").read_text().splitlines()) == 4
     report = (out / "report.md").read_text()
-    assert "## Training steps (3 updates, seconds)" in report and "| step | 26.50 | 21.50 | 31.50 |" in report
+    assert "## Training steps (3 updates, seconds)" in report and "| step, its three parts | 26.50 | 21.50 | 31.50 |" in report
+    assert "| step, wall clock | 27.12 | 22.25 | 32.00 |" in report and "| between the parts (wall clock - parts) | 0.62 | 0.50 | 0.75 |" in report
     assert "| update after the rollout | 4.00 | 1.00 | 6.00 |" in report
     assert (out / "training_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(SystemExit, match="no metrics.csv"):
         training_rows([str(tmp_path / "report")])
+
+
+def test_fit_table_reads_an_older_fits_wall_clock_from_vllms_swap_stamps(tmp_path):
+    """bench/fit_table.py --vllm-log: a fit logged before step/seconds gets its wall clock from the engine core's stamp of
+    each sync's prefix-cache reset (to the second): updates 1..n against their three parts, the span known within 1 s."""
+    from tests.helpers import load_bench
+
+    fit_table = load_bench("fit_table")
+    header = "epoch,rollout/reward_mean,step,rollout/seconds,train/update_seconds,sync/total_seconds\n"
+    csv_file = tmp_path / "fit.metrics.csv"
+    csv_file.write_text(header + "0,0.1,0,60.0,10.0,1.0\n0,0.1,1,20.0,3.0,0.5\n0,0.1,2,18.0,2.5,0.5\n")
+    stamp = "(EngineCore pid=1) INFO 12-04 23:59:{:02d} [block_pool.py:790] Successfully reset prefix cache\n"
+    log = tmp_path / "fit.log"
+    log.write_text(stamp.format(1) + "noise\n" + stamp.format(13) + stamp.format(38)
+                   + "(EngineCore pid=1) INFO 12-05 00:00:00 [block_pool.py:790] Successfully reset prefix cache\n")
+    # after update 0 at 23:59:13, then 25 s and 22 s: 47 s (within 1 s) for parts of 23.5 + 21.0 s
+    assert fit_table.log_walls(str(log), str(csv_file)) == (
+        "updates 1-2: wall 47 s (within 1 s), a mean of 23.000-24.000 s a step (each to the second: 25/22); their three parts "
+        "22.250 s a step; other 0.750-1.750 s a step")
+    log.write_text(stamp.format(1) + stamp.format(13))
+    assert fit_table.log_walls(str(log), str(csv_file)) == "2 swap stamps for 3 updates: no wall clock from this log"

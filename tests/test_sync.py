@@ -207,13 +207,39 @@ def test_the_engine_is_checked_after_a_rollout_against_its_last_sync(setup):
     assert sync.check_engine("after the rollout") == {}
     sync.sync(policy)
     _train(policy, 9)  # the trainer moves; the engine (a separate copy) must not
-    assert sync.check_engine("after the rollout") == {"engine/probe_drift": 0.0}
+    checked = sync.check_engine("after the rollout")
+    assert checked["engine/probe_drift"] == 0.0 and checked["engine/probe_seconds"] > 0
     score = engine.score
     engine.score = lambda ids: [x + 0.5 for x in score(ids)[:-1]] + [float("inf")]
     with pytest.raises(NonFiniteProbeError, match="after the rollout, 1 of the hf engine's"):
         sync.check_engine("after the rollout")
     engine.score = lambda ids: [x + 0.5 for x in score(ids)]
     assert sync.check_engine("after the rollout")["engine/probe_drift"] == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("sleep_mode", [False, True])
+def test_the_probe_scored_after_the_rollout_is_the_syncs_before_its_push_unless_the_engine_slept(setup, sleep_mode):
+    """No weights reach the engine between the rollout's end and the next push, so the sync takes check_engine's scores
+    instead of scoring again: one engine scoring less per step; every check still sees them (a skipped push caught, a real
+    one followed). An engine with sleep mode is scored again after its wake-up."""
+    policy, engine, probe, _ = setup
+    engine.sleep_mode = sleep_mode
+    sync = WeightSync(engine, probe, tolerance=0.1, min_response=0.5)
+    sync.sync(policy)
+    score, calls = engine.score, []
+    engine.score = lambda ids: calls.append(len(ids)) or score(ids)
+    _train(policy, 11, scale=0.01)
+    sync.check_engine("after the rollout")
+    assert len(calls) == 1
+    with pytest.raises(WeightSyncError, match="did not reach the engine"):
+        sync.sync(policy, push=False)  # the scores stand in for the ones before a push that never came
+    assert len(calls) == 2 + sleep_mode  # only the one after it (and, with sleep mode, again before it)
+    real = sync.sync(policy)
+    assert real["sync/engine_response"] == pytest.approx(1.0, abs=1e-3)
+    assert len(calls) == 3 + 2 * sleep_mode and sync.unpushed is None  # pushed: the next sync scores before its push again
+    _train(policy, 12, scale=0.01)
+    sync.sync(policy)
+    assert len(calls) == 5 + 2 * sleep_mode
 
 
 def test_an_engine_that_fails_scoring_the_probe_says_when_and_what_is_known(setup):

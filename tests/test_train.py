@@ -60,6 +60,11 @@ def test_make_train_runs_the_tiny_recipe(tmp_path, data_dir, tiny_model_dir):
     assert 0 <= float(rows[0]["rollout/env_wait_seconds"]) < float(rows[0]["rollout/seconds"])
     assert float(rows[0]["rollout/completion_tokens_max"]) >= float(rows[0]["rollout/completion_tokens_mean"]) > 0
     assert all(float(rows[0][k]) > 0 for k in ("train/prepare_seconds", "sync/total_seconds", "checkpoint/seconds"))
+    # the step's wall clock holds its three timed parts and what lies between them
+    for r in rows:
+        assert float(r["step/seconds"]) > float(r["rollout/seconds"]) + float(r["train/update_seconds"]) + float(r["sync/total_seconds"])
+    # the hf engine runs on torch's allocator: no memory guard (alfrl.guard: for vLLM in this process)
+    assert "train/memory_guard_seconds" not in rows[0]
     assert float(rows[0]["sync/canary_caught"]) == 1.0  # the skipped sync was caught
     assert float(rows[0]["sync/engine_response"]) == pytest.approx(1.0, abs=0.05)  # and the real sync after it went through
     # after each rollout the engine scored the probe exactly as right after the sync before it
@@ -74,6 +79,10 @@ def test_make_train_runs_the_tiny_recipe(tmp_path, data_dir, tiny_model_dir):
     assert fit_table.line(str(csv_file)).startswith(f"steps s {'/'.join(fit_table.truncated(s, 3) for s in steps)} (mean ")
     syncs = "/".join(fit_table.truncated(float(r["sync/total_seconds"]), 2) for r in rows)
     assert f"; sync s {syncs}; load s -/-; groups started s " in fit_table.line(str(csv_file))  # no engine process here: no load
+    walls = "/".join(fit_table.truncated(float(r["step/seconds"]), 3) for r in rows)
+    others = "/".join(fit_table.truncated(float(r["step/seconds"]) - s, 3) for r, s in zip(rows, steps))
+    assert f"; wall s {walls} (mean " in fit_table.line(str(csv_file)) and f"; other s {others}; longest " in fit_table.line(str(csv_file))
+    assert "| step s | wall s | other s |" in fit_table.table([str(csv_file)])
     assert fit_table.truncated(0.29, 2) == "0.29" and fit_table.truncated(26.9629, 3) == "26.962" and fit_table.truncated(51622.0, 0) == "51,622"
 
 

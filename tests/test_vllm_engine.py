@@ -87,9 +87,10 @@ def test_a_separate_process_engine_is_spawned_by_vllm_and_an_inline_one_is_not(m
     _stand_in_vllm(monkeypatch, lambda **kw: seen.append((os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"],
                                                            os.environ.get("VLLM_WORKER_MULTIPROC_METHOD"))) or _llm())
     monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD", raising=False)
-    VLLMEngine("a-model")
-    VLLMEngine("a-model", separate_process=True)
+    inline, separate = VLLMEngine("a-model"), VLLMEngine("a-model", separate_process=True)
     assert seen == [("0", None), ("1", "spawn")]
+    # only a core in this process allocates in the trainer's CUDA context: the training step's memory guard is for it alone
+    assert (inline.guard_trainer_memory, separate.guard_trainer_memory) == (True, False)
     for bad in (dict(enable_sleep_mode=True), dict(high_priority_stream=True)):
         with pytest.raises(EngineError, match="separate process takes no sleep mode"):
             VLLMEngine("a-model", separate_process=True, **bad)
