@@ -119,3 +119,50 @@ def test_a_fit_starts_the_engine_after_the_trainers_weights_and_optimizer_state(
             "--trainer.default_root_dir", str(tmp_path / "run")]
     assert main(args) == 0
     assert len(seen) == 1 and seen[0][1] > 0 and seen[0][0] == seen[0][1], seen
+
+
+_FIT_WITH_A_WRITE = """
+import sys
+from alfrl.datamodule import RolloutDataModule
+from alfrl.engines import InProcessEngine
+from alfrl.recipe import main_fit
+
+guard, write = sys.argv[1] == "1", sys.argv[2] == "1"
+InProcessEngine.guard_trainer_memory = guard  # the hf engine as if it allocated in this process as vLLM's core does
+play = RolloutDataModule.next_batch
+
+def next_batch(self):
+    batch = play(self)
+    if write and batch.step == 1:  # the second rollout writes into a trained LoRA weight
+        name, p = next((n, p) for n, p in self.trainer.lightning_module.model.named_parameters() if "lora_B" in n)
+        p.data.view(-1)[0] += 0.5
+        print("wrote into", name, flush=True)
+    return batch
+
+RolloutDataModule.next_batch = next_batch
+sys.exit(main_fit(sys.argv[3:]))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("guard, write, code", [(True, True, 1), (True, False, 0)])
+def test_a_fit_guards_its_memory_exactly_when_its_engine_could_write_there(tmp_path, data_dir, tiny_model_dir, guard, write, code):
+    """The training step's guard, end to end in a real fit: with an engine whose guard_trainer_memory is true, a write into
+    the trainer's weights during a rollout stops the run naming the tensor, and a clean fit runs through. (Without, the
+    step takes no fingerprints: tests/test_train.py's fit, on the hf engine, logs no ``train/memory_guard_seconds``.)"""
+    import os
+    import subprocess
+    import sys
+
+    args = ["--config", "recipes/tiny.yaml", "--model.model_name", tiny_model_dir, "--trainer.default_root_dir", str(tmp_path),
+            "--trainer.max_steps", "2", "--trainer.logger", "false", "--checkpoint.save_every", "0",
+            "--data.rollout.max_episode_steps", "2"]
+    out = subprocess.run([sys.executable, "-c", _FIT_WITH_A_WRITE, str(int(guard)), str(int(write)), *args],
+                         cwd=os.path.dirname(os.path.dirname(__file__)), env=dict(os.environ, ALFWORLD_DATA=data_dir),
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == code, out.stdout[-2000:] + out.stderr[-2000:]
+    assert ("wrote into" in out.stdout) == write
+    stopped = "changed during the rollout and the weight sync since the last update" in out.stderr
+    assert stopped == (code == 1), out.stderr[-2000:]
+    if stopped:
+        assert "lora_B" in out.stderr.strip().splitlines()[-1]  # the run's last line names the tensor
