@@ -169,9 +169,13 @@ def test_bad_eval_and_report_input_is_one_clear_line(tmp_path, capsys):
 def test_a_rollout_that_writes_into_the_trainers_weights_stops_the_run_at_once(tmp_path, tiny_model_dir, data_dir, capsys,
                                                                              monkeypatch):
     """The H200's graphs + LoRA fits ended with the trainer's own LoRA weights NaN an update later. A rollout that changes
-    a trainer tensor (here: the engine's step writes into one after the first update) stops the fit in that step."""
+    a trainer tensor (here: the engine's step writes into one after the first update) stops the fit in that step. The
+    training step guards with an engine that says it could write there (vLLM's core in this process): the hf engine is
+    made to say so; the first rollout, which writes nothing, passes the guard's check."""
     from alfrl.engines import HFEngine
     from alfrl.policy import AlfrlPolicy
+
+    monkeypatch.setattr(HFEngine, "guard_trainer_memory", True)
 
     monkeypatch.chdir(Path(__file__).resolve().parent.parent)
     monkeypatch.setattr(logging, "raiseExceptions", False)  # Lightning's handlers hold an earlier test's captured stderr
