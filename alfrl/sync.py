@@ -88,9 +88,6 @@ class WeightSync:
         """Engine and trainer probe log-probs at the first sync."""
         self.last_engine: list[float] | None = None
         """The engine's probe log-probs right after the last sync (no weights pushed since)."""
-        self.unpushed: list[float] | None = None
-        """The engine's probe log-probs scored by ``check_engine`` since the last push: the next sync's scores before its
-        push, unless the engine slept in between (``sleep_mode``: its wake-up is checked by scoring again)."""
         self.cross = 0.0
         """Running sums over the syncs above the noise floor: sum(d_e d_t) and sum(d_t d_t)."""
         self.norm = 0.0
@@ -109,14 +106,12 @@ class WeightSync:
         """Push and check; returns the ``sync/`` metrics. ``push=False`` skips the push itself (the
         tests and the GPU bench use it to show that the checks catch a sync that did nothing)."""
         self.engine.wake_up()
-        before = None
-        if self.check and not self.engine.shares_policy:
-            # the same weights as ``check_engine`` scored after the rollout, and scoring them twice gives the same numbers
-            before = self.unpushed if self.unpushed is not None and not getattr(self.engine, "sleep_mode", False) else \
-                self._score(f"before pushing weight version {policy.weight_version}")
+        # scored now, on an idle engine, not taken from ``check_engine``'s score after the rollout: on the H200 that one
+        # differed from the score right after the sync before it (``engine/probe_drift`` up to 0.207 with no push between,
+        # 2026-12-04 fits), and the "did not move at all" check below needs the engine's exact numbers
+        before = self._score(f"before pushing weight version {policy.weight_version}") \
+            if self.check and not self.engine.shares_policy else None
         start = time.perf_counter()
-        if push:
-            self.unpushed = None
         taken, expected, gathered = self.push(policy) if push else (0, 0, 0.0)
         metrics = {"sync/seconds": time.perf_counter() - start, "sync/weight_version": float(policy.weight_version),
                    "sync/taken": float(taken), "sync/expected": float(expected), "sync/gather_seconds": gathered}
@@ -202,8 +197,7 @@ class WeightSync:
         Returns ``engine/probe_drift`` (the largest change of a log-prob); raises ``NonFiniteProbeError`` when a log-prob
         is not finite: the engine computed garbage ``when`` (e.g. "after the rollout", which then sampled from it). On
         the H200 the random Qwen3.5-4B's engine scored NaN after a wake-up; this says whether it already did before the
-        sleep. Nothing to compare before the first sync. ``engine/probe_seconds``: the scoring's time. The scores stand in
-        for the next sync's before its push (``unpushed``): one scoring a step less on the step's path."""
+        sleep. Nothing to compare before the first sync. ``engine/probe_seconds``: the scoring's time."""
         if not self.check or self.last_engine is None or self.engine.shares_policy:
             return {}
         started = time.perf_counter()
@@ -215,7 +209,6 @@ class WeightSync:
                 f"{when}, {bad} of the {self.engine.name} engine's {len(scores)} probe log-probs are not finite although no "
                 "weights were pushed since the last sync (when they were): the engine computes garbage"
             )
-        self.unpushed = scores
         return {"engine/probe_drift": max((abs(a - b) for a, b in zip(scores, self.last_engine)), default=0.0),
                 "engine/probe_seconds": seconds}
 

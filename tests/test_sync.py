@@ -217,29 +217,20 @@ def test_the_engine_is_checked_after_a_rollout_against_its_last_sync(setup):
     assert sync.check_engine("after the rollout")["engine/probe_drift"] == pytest.approx(0.5)
 
 
-@pytest.mark.parametrize("sleep_mode", [False, True])
-def test_the_probe_scored_after_the_rollout_is_the_syncs_before_its_push_unless_the_engine_slept(setup, sleep_mode):
-    """No weights reach the engine between the rollout's end and the next push, so the sync takes check_engine's scores
-    instead of scoring again: one engine scoring less per step; every check still sees them (a skipped push caught, a real
-    one followed). An engine with sleep mode is scored again after its wake-up."""
+def test_a_skipped_push_is_caught_even_when_the_probe_after_the_rollout_drifted(setup):
+    """On the H200 the engine's probe right after a rollout differed from its score after the last sync with no push in
+    between (engine/probe_drift up to 0.207, 2026-12-04 fits); on an idle engine it does not. The sync scores its
+    "before" itself, so a drifted after-rollout score cannot hide a push that never came."""
     policy, engine, probe, _ = setup
-    engine.sleep_mode = sleep_mode
     sync = WeightSync(engine, probe, tolerance=0.1, min_response=0.5)
     sync.sync(policy)
-    score, calls = engine.score, []
-    engine.score = lambda ids: calls.append(len(ids)) or score(ids)
-    _train(policy, 11, scale=0.01)
-    sync.check_engine("after the rollout")
-    assert len(calls) == 1
-    with pytest.raises(WeightSyncError, match="did not reach the engine"):
-        sync.sync(policy, push=False)  # the scores stand in for the ones before a push that never came
-    assert len(calls) == 2 + sleep_mode  # only the one after it (and, with sleep mode, again before it)
-    real = sync.sync(policy)
-    assert real["sync/engine_response"] == pytest.approx(1.0, abs=1e-3)
-    assert len(calls) == 3 + 2 * sleep_mode and sync.unpushed is None  # pushed: the next sync scores before its push again
-    _train(policy, 12, scale=0.01)
-    sync.sync(policy)
-    assert len(calls) == 5 + 2 * sleep_mode
+    _train(policy, 13, scale=0.001)
+    score = engine.score
+    engine.score = lambda ids: [x + 1e-3 for x in score(ids)]  # the rollout's leftovers shift the engine's numbers
+    assert sync.check_engine("after the rollout")["engine/probe_drift"] == pytest.approx(1e-3)
+    engine.score = score  # idle again
+    with pytest.raises(WeightSyncError, match="did not move at all"):
+        sync.sync(policy, push=False)
 
 
 def test_an_engine_that_fails_scoring_the_probe_says_when_and_what_is_known(setup):
