@@ -106,9 +106,10 @@ class WeightSync:
         """Push and check; returns the ``sync/`` metrics. ``push=False`` skips the push itself (the
         tests and the GPU bench use it to show that the checks catch a sync that did nothing)."""
         self.engine.wake_up()
-        # scored now, on an idle engine, not taken from ``check_engine``'s score after the rollout: on the H200 that one
-        # differed from the score right after the sync before it (``engine/probe_drift`` up to 0.207 with no push between,
-        # 2026-12-04 fits), and the "did not move at all" check below needs the engine's exact numbers
+        # scored now, not taken from ``check_engine``'s score after the rollout: on the H200 that one differed from the
+        # score right after the sync before it (``engine/probe_drift`` up to 0.206 with no push between, 2026-12-04 fits),
+        # while two scores at a sync came out bit-identical (the canary caught, bench/leases/2026-12-02e.md), which the
+        # "did not move at all" check below needs
         before = self._score(f"before pushing weight version {policy.weight_version}") \
             if self.check and not self.engine.shares_policy else None
         start = time.perf_counter()

@@ -219,8 +219,9 @@ def test_the_engine_is_checked_after_a_rollout_against_its_last_sync(setup):
 
 def test_a_skipped_push_is_caught_even_when_the_probe_after_the_rollout_drifted(setup):
     """On the H200 the engine's probe right after a rollout differed from its score after the last sync with no push in
-    between (engine/probe_drift up to 0.207, 2026-12-04 fits); on an idle engine it does not. The sync scores its
-    "before" itself, so a drifted after-rollout score cannot hide a push that never came."""
+    between (engine/probe_drift up to 0.206, 2026-12-04 fits), while two scores at a sync came out bit-identical (the
+    canary caught, 2026-12-02e). The sync scores its "before" itself, so a drifted after-rollout score cannot hide a push
+    that never came."""
     policy, engine, probe, _ = setup
     sync = WeightSync(engine, probe, tolerance=0.1, min_response=0.5)
     sync.sync(policy)
