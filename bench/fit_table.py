@@ -7,7 +7,8 @@
 step = ``rollout/seconds`` + ``train/update_seconds`` (what the step waited for after the rollout) + ``sync/total_seconds``
 (``alfrl report``'s ``seconds_step``, read by its ``training_rows``), as the leases in bench/leases/ count it. wall = the
 step's wall clock (``step/seconds``, logged since 2026-12-04: Lightning's start of the batch to the end of its sync) and
-other = wall - step, the time the three parts leave out. A column whose metric the fit did not log is left out (the table)
+other = wall - step, the time the three parts leave out (the engine's probe after the rollout, ``engine/probe_seconds``,
+is part of it: probe s). A column whose metric the fit did not log is left out (the table)
 or "-" (the line); the line names wall and other only for a fit that logged them."""
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ COLUMNS = (  # (metric, header, decimals)
     ("rollout/seconds", "rollout s", 2), ("train/update_seconds", "update after it s", 2),
     ("train/update_during_rollout_seconds", "during s", 2), ("sync/total_seconds", "sync s", 2), ("sync/seconds", "adapter s", 3),
     ("sync/gather_seconds", "gather s", 3), ("sync/write_seconds", "write s", 3), ("sync/load_seconds", "load s", 3),
-    ("sync/swap_seconds", "swap s", 3), ("tokens/generated", "generated tokens", 0),
+    ("sync/swap_seconds", "swap s", 3), ("engine/probe_seconds", "probe s", 3), ("tokens/generated", "generated tokens", 0),
     ("rollout/completion_tokens_max", "longest trajectory", 0), ("rollout/last_group_started_seconds", "last group started s", 3),
     ("rollout/half_ended_seconds", "half ended s", 2), ("rollout/engine_step_ms", "engine step ms", 3),
     ("rollout/tail_steps", "tail steps", 0), ("rollout/tail_step_ms", "tail step ms", 3),
@@ -75,7 +76,7 @@ def line(path: str) -> str:
     walls = [m["seconds_wall"] for m in ms]
     wall = "" if all(w is None for w in walls) else (
         f"; wall s {series('seconds_wall', 3)}" + (f" (mean {truncated(statistics.mean(walls), 3)})" if None not in walls else "")
-        + f"; other s {series('seconds_other', 3)}")
+        + f"; other s {series('seconds_other', 3)}; probe s {series('engine/probe_seconds', 3)}")
     return (f"steps s {'/'.join(truncated(s, 3) for s in steps)} (mean {truncated(statistics.mean(steps), 3)}){wall}; longest "
             f"{series('rollout/completion_tokens_max', 0)} tok; tail ms {series('rollout/tail_step_ms', 3)}; core ms "
             f"{series('rollout/tail_core_step_ms', 3)}; lag ms {series('rollout/tail_output_lag_ms', 3)}; sync s "

@@ -81,8 +81,10 @@ def test_make_train_runs_the_tiny_recipe(tmp_path, data_dir, tiny_model_dir):
     assert f"; sync s {syncs}; load s -/-; groups started s " in fit_table.line(str(csv_file))  # no engine process here: no load
     walls = "/".join(fit_table.truncated(float(r["step/seconds"]), 3) for r in rows)
     others = "/".join(fit_table.truncated(float(r["step/seconds"]) - s, 3) for r, s in zip(rows, steps))
-    assert f"; wall s {walls} (mean " in fit_table.line(str(csv_file)) and f"; other s {others}; longest " in fit_table.line(str(csv_file))
-    assert "| step s | wall s | other s |" in fit_table.table([str(csv_file)])
+    probes = "/".join(fit_table.truncated(float(r["engine/probe_seconds"]), 3) for r in rows)  # a part of other
+    assert f"; wall s {walls} (mean " in fit_table.line(str(csv_file)) and f"; other s {others}; probe s {probes}; longest " in fit_table.line(str(csv_file))
+    assert "| step s | wall s | other s |" in fit_table.table([str(csv_file)]) and " probe s |" in fit_table.table([str(csv_file)])
+    assert all(float(r["step/seconds"]) - s > float(r["engine/probe_seconds"]) > 0 for r, s in zip(rows, steps))
     assert fit_table.truncated(0.29, 2) == "0.29" and fit_table.truncated(26.9629, 3) == "26.962" and fit_table.truncated(51622.0, 0) == "51,622"
 
 
