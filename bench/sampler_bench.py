@@ -334,7 +334,7 @@ def main() -> None:
                     runs["profiled_async"] = {**rollout_figures(result, seconds), "profile": profiled}
                 if "rounds" in runs and "async" in runs:
                     runs["async_over_rounds_speedup"] = runs["rounds"]["seconds"] / runs["async"]["seconds"]
-                if "ceiling" in report["phases"] and "async" in runs:
+                if "seconds" in report["phases"].get("ceiling", {}) and "async" in runs:  # a failed ceiling keeps the runs' figures
                     runs["async_over_ceiling_time"] = runs["async"]["seconds"] / report["phases"]["ceiling"]["seconds"]
                 report["phases"]["runners"] = runs
                 if args.save_turns and async_result is not None:  # seed 7's turns, for --replay-turns in another run
@@ -349,7 +349,7 @@ def main() -> None:
                     replayed = vllm_replay(sampler.engine, [t for g in async_result.groups for t in g.trajectories])
                 if "async" in report["phases"].get("runners", {}) and not args.replay_turns:
                     replayed["async_over_replay_time"] = report["phases"]["runners"]["async"]["seconds"] / replayed["seconds"]
-                if "ceiling" in report["phases"]:
+                if "seconds" in report["phases"].get("ceiling", {}):
                     replayed["replay_over_ceiling_time"] = replayed["seconds"] / report["phases"]["ceiling"]["seconds"]
                 report["phases"]["replay"] = replayed
             elif phase == "step":  # a fit step's work, the same in every run (bench/step_replay.py; dry: on the hf engine)

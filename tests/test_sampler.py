@@ -426,3 +426,27 @@ def test_tuned_lora_kernel_configs_are_checked_and_reach_the_engine_core(monkeyp
     (folder / "NVIDIA_H200_SHRINK.json").write_text(table(1, 16, 64, 127, 128))
     build()
     assert os.environ["VLLM_TUNED_CONFIG_FOLDER"] == str(folder.resolve())
+
+
+def test_sampler_benchs_rollout_figures_survive_a_failed_ceiling(tmp_path, data_dir, tiny_model_dir):
+    """bench/sampler_bench.py: a ceiling that failed (here: no vLLM) is recorded as its error, and the runners phase after it
+    keeps its rollout's figures (it divided by the missing ceiling's seconds and lost them, found in a CPU dry run)."""
+    import importlib.util
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here: its ceiling would run, not fail")
+    out = tmp_path / "bench.json"
+    repo = Path(__file__).parents[1]
+    cmd = [sys.executable, str(repo / "bench" / "sampler_bench.py"), "--recipe", str(repo / "recipes" / "tiny.yaml"), "--out", str(out),
+           "--phases", "ceiling", "runners", "--schedules", "async", "--games", "2", "--no-sync", "--",
+           "--trainer.accelerator", "cpu", "--data.env.num_workers", "2", "--data.games_per_batch", "2", "--data.group_size", "2",
+           "--data.rollout.max_episode_steps", "3", "--model.model_name", tiny_model_dir, "--trainer.logger", "false"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=repo, env={**os.environ, "ALFWORLD_DATA": data_dir})
+    assert done.returncode == 0, done.stderr[-2000:]
+    phases = json.loads(out.read_text())["phases"]
+    assert "No module named 'vllm'" in phases["ceiling"]["error"]
+    assert "error" not in phases["runners"] and phases["runners"]["async"]["seconds"] > 0
+    assert "async_over_ceiling_time" not in phases["runners"]
