@@ -27,7 +27,7 @@ from alfrl.rewards import RewardConfig
 from alfrl.rollout import RolloutConfig, rollout_metrics
 from alfrl.sampler import Sampler
 from alfrl.sampler_config import EngineConfig, EnvConfig
-from alfrl.types import RolloutProgress, Sample, TrajectoryGroup
+from alfrl.types import RolloutProgress, RolloutStats, Sample, TrajectoryGroup
 
 log = logging.getLogger(__name__)
 
@@ -236,6 +236,8 @@ class RolloutDataModule(L.LightningDataModule):
             metrics["rollout/last_group_started_seconds"] = max(rollout.stats.group_start_seconds)
         if rollout.stats.trajectory_end_seconds:  # half the trajectories had ended by then; the rest is the tail
             metrics["rollout/half_ended_seconds"] = statistics.median(rollout.stats.trajectory_end_seconds)
+            # the last trajectory's life (the rollout's critical path): generating, stepping, waiting here
+            metrics.update({f"rollout/last_ended_{k}": v for k, v in rollout.stats.last_ended.items()})
         if rollout.stats.tail_engine_steps:  # the engine's steps after that, with the batch emptying: the tail's step time
             metrics.update(rollout.stats.tail_figures())
             metrics.update(rollout.stats.tail_output_figures())  # vLLM: its core's step there, and how late this process took it
@@ -276,7 +278,7 @@ class RolloutDataModule(L.LightningDataModule):
     SUMMED_METRICS = ("rollout/trajectories", "rollout/failed_groups", "rollout/degenerate_groups", "rollout/dropped_groups")
     LOCAL_METRICS = ("rollout/seconds", "rollout/engine_busy_share", "rollout/half_ended_seconds", "rollout/completion_tokens_max",
                      "rollout/env_wait_seconds", "rollout/last_group_started_seconds", "rollout/tail_steps", "rollout/tail_step_ms",
-                     "rollout/tail_core_step_ms", "rollout/tail_output_lag_ms")
+                     "rollout/tail_core_step_ms", "rollout/tail_output_lag_ms", *(f"rollout/last_ended_{k}" for k in RolloutStats.LAST_ENDED))
 
     def _reduce_metrics(self, metrics: dict[str, float], groups: list[TrajectoryGroup]) -> dict[str, float]:
         """Global metrics over all ranks: counts summed, rates weighted by each rank's trajectories

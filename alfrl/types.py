@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import statistics
 from dataclasses import asdict, dataclass, field
+from typing import ClassVar
 from pathlib import Path
 
 import torch
@@ -189,6 +190,12 @@ class RolloutStats:
     tail_engine_steps: int = 0
     tail_output_times: list[tuple[float, float]] = field(default_factory=list)
     """The tail's steps' ``Engine.last_output_times`` (vLLM: when its core made the outputs, when this process took them)."""
+    LAST_ENDED: ClassVar[tuple[str, ...]] = ("start", "generate", "environment", "local", "turns", "tokens")
+    last_ended: dict[str, float] = field(default_factory=dict)
+    """The trajectory that ended last (the rollout's critical path), its life split in seconds: ``start`` (its group's
+    resets and check, to its first request), ``generate`` (request to completion: queued in the engine, prefill, decode,
+    outputs taken), ``environment`` (its steps), ``local`` (a turn done to the next request submitted, and to its end);
+    with its ``turns`` and sampled ``tokens``."""
 
     def engine_step(self, seconds: float, tail: bool, output_times: tuple[float, float] | None) -> None:
         """One ``engine.step()`` call of ``seconds``; ``tail``: half of the trajectories had ended before it."""

@@ -76,6 +76,7 @@ def rollout_figures(result, seconds: float) -> dict:
             # the tail: when the trajectories ended (seconds after the start), and the sampled tokens of each
             "ended_seconds": quantiles(result.stats.trajectory_end_seconds),
             "completion_tokens": quantiles([completion_tokens(t) for t in trajs]),
+            "last_ended": result.stats.last_ended,  # the critical path: where the last trajectory's seconds went
             "stop_reasons": {r: sum(t.stop_reason == r for t in trajs) for r in sorted({t.stop_reason for t in trajs})}}
 
 

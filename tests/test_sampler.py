@@ -75,6 +75,12 @@ def test_the_stats_record_when_each_trajectory_ended_and_the_tail_shows(game, fm
     assert len(stats.group_start_seconds) == 1 and 0 < stats.group_start_seconds[0] < stats.trajectory_end_seconds[0]  # one group's start-up
     # the tail: the engine steps once two of the four had ended, all spent on the slow one's 1 s turns (4+ of them left)
     assert 0 < stats.tail_engine_steps < stats.engine_steps and 2.0 < stats.tail_engine_seconds <= stats.engine_seconds
+    # the critical path: the slow one's life split into its phases, which add up to when it ended
+    last = stats.last_ended
+    assert set(last) == set(stats.LAST_ENDED) and last["turns"] == 6
+    assert last["tokens"] == sum(turn.completion_tokens for turn in group.trajectories[0].turns)
+    assert last["generate"] >= 5.0 and last["start"] > 0 and last["environment"] > 0 and last["local"] >= 0
+    assert abs(sum(last[k] for k in ("start", "generate", "environment", "local")) - stats.trajectory_end_seconds[-1]) < 0.05
     metrics = rollout_metrics([group])
     tokens = [sum(turn.completion_tokens for turn in t.turns) for t in group.trajectories]
     assert min(tokens) > 0
