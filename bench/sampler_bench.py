@@ -9,7 +9,9 @@ Phases (figures into one JSON; each phase's errors are recorded, the others stil
 - runners: the same 8 training games x 8 trajectories (recipe's episode limits, same seeds) through the
   old round-based schedule and the asynchronous one (``--schedules``): seconds, generated tokens/s, engine busy share;
   before any phase the policy is synced the recipe's way (LoRA served, or merged), as a fit's rollouts run (``--no-sync``: not);
-  ``--repeats N``: N rollouts per schedule (seeds 7, 8, ...), each one's figures kept;
+  ``--repeats N``: N rollouts per schedule (seeds 7, 8, ...), each one's figures kept; schedule ``prefetched``: the
+  asynchronous one with the games' resets submitted and back before its clock starts (``Sampler.prefetch``), as a fit's
+  rollouts after its first run (their resets ran during the update before);
   --profile-rollout START:COUNT: then one more asynchronous rollout with that window of engine steps profiled.
 - eval: the recipe's evaluation protocol on every evaluation game (the base model, or --adapter) -> --eval-out;
   --profile-steps START:COUNT profiles that window of engine steps (torch.profiler, then cProfile) -> OUT.profile.txt.
@@ -75,9 +77,27 @@ def rollout_figures(result, seconds: float) -> dict:
             "trajectories": len(trajs), "turns": sum(t.steps for t in trajs), "wins": sum(t.won for t in trajs),
             # the tail: when the trajectories ended (seconds after the start), and the sampled tokens of each
             "ended_seconds": quantiles(result.stats.trajectory_end_seconds),
+            "last_group_started_seconds": max(result.stats.group_start_seconds, default=None),  # its resets back and checked
             "completion_tokens": quantiles([completion_tokens(t) for t in trajs]),
             "last_ended": result.stats.last_ended,  # the critical path: where the last trajectory's seconds went
             "stop_reasons": {r: sum(t.stop_reason == r for t in trajs) for r in sorted({t.stop_reason for t in trajs})}}
+
+
+def prefetch_resets(sampler, games, group_size: int, limit: float = 300.0) -> dict:
+    """Submit the games' resets (``Sampler.prefetch``) and wait until every one is back: the next rollout starts as a fit's
+    rollouts after the first do, their resets done during the update before. Returns the resets' seconds."""
+    started = time.perf_counter()
+    sampler.prefetch(games, group_size)
+    p = sampler._prefetch  # noqa: SLF001 - the bench waits on the prefetch's results
+    if p is None:
+        raise RuntimeError("--schedules prefetched: the recipe's resets cannot be prefetched (data.rollout.max_live_games below "
+                           "the games); set it to 0")
+    total = sum(len(t) for t in p.tickets)
+    while len(p.early) < total:
+        if time.perf_counter() - started > limit:
+            raise RuntimeError(f"--schedules prefetched: {total - len(p.early)} of {total} resets not back after {limit:.0f} s")
+        time.sleep(0.01)
+    return {"resets_seconds": time.perf_counter() - started}
 
 
 def profile_window(engine, start: int, count: int, path: str):
@@ -247,8 +267,9 @@ def main() -> None:
     parser.add_argument("--eval-out", default=None)
     parser.add_argument("--phases", nargs="+", default=["ceiling", "runners", "eval", "update", "sync"])
     parser.add_argument("--games", type=int, default=8)
-    parser.add_argument("--schedules", nargs="+", default=["rounds", "async"], choices=["rounds", "async"],
-                        help="runners phase: which runners play the games (async alone halves the phase)")
+    parser.add_argument("--schedules", nargs="+", default=["rounds", "async"], choices=["rounds", "async", "prefetched"],
+                        help="runners phase: which runners play the games (async alone halves the phase; prefetched: async with "
+                        "the resets done before the clock starts, as in a fit after its first rollout)")
     parser.add_argument("--adapter", default=None, help="eval phase: this adapter (a checkpoint folder or its adapter/) into the engine")
     parser.add_argument("--profile-steps", default=None, help="eval phase: START:COUNT engine steps profiled (torch.profiler, then cProfile)")
     parser.add_argument("--profile-rollout", default=None, help="runners phase: one more asynchronous rollout with engine steps "
@@ -316,9 +337,10 @@ def main() -> None:
                 runs = {}
                 for rep in range(args.repeats):  # seed 7, then 8, ...: the schedules alternate within each seed
                     for schedule in args.schedules:
-                        sampler.rollout_cfg = dataclasses.replace(dm.rollout, schedule=schedule)
+                        sampler.rollout_cfg = dataclasses.replace(dm.rollout, schedule="async" if schedule == "prefetched" else schedule)
+                        resets = prefetch_resets(sampler, games, dm.group_size) if schedule == "prefetched" else {}
                         result, seconds = timed(lambda: sampler.rollout(games, dm.group_size, seed=7 + rep))
-                        figures = {"seed": 7 + rep, **rollout_figures(result, seconds)}
+                        figures = {"seed": 7 + rep, **rollout_figures(result, seconds), **resets}
                         if rep == 0:
                             runs[schedule] = figures
                             if schedule == "async" or async_result is None:  # the replay and the update use seed 7's
@@ -335,8 +357,12 @@ def main() -> None:
                     runs["profiled_async"] = {**rollout_figures(result, seconds), "profile": profiled}
                 if "rounds" in runs and "async" in runs:
                     runs["async_over_rounds_speedup"] = runs["rounds"]["seconds"] / runs["async"]["seconds"]
-                if "seconds" in report["phases"].get("ceiling", {}) and "async" in runs:  # a failed ceiling keeps the runs' figures
-                    runs["async_over_ceiling_time"] = runs["async"]["seconds"] / report["phases"]["ceiling"]["seconds"]
+                if "seconds" in report["phases"].get("ceiling", {}):  # a failed ceiling keeps the runs' figures
+                    for schedule in ("async", "prefetched"):
+                        if schedule in runs:  # seed 7's as <schedule>_over_ceiling_time, each repeat's in its figures
+                            runs[f"{schedule}_over_ceiling_time"] = runs[schedule]["seconds"] / report["phases"]["ceiling"]["seconds"]
+                            for figures in runs[schedule].get("repeats", []):
+                                figures["over_ceiling_time"] = figures["seconds"] / report["phases"]["ceiling"]["seconds"]
                 report["phases"]["runners"] = runs
                 if args.save_turns and async_result is not None:  # seed 7's turns, for --replay-turns in another run
                     save_turns([t for g in async_result.groups for t in g.trajectories], args.save_turns)

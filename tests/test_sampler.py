@@ -436,7 +436,8 @@ def test_tuned_lora_kernel_configs_are_checked_and_reach_the_engine_core(monkeyp
 
 def test_sampler_benchs_rollout_figures_survive_a_failed_ceiling(tmp_path, data_dir, tiny_model_dir):
     """bench/sampler_bench.py: a ceiling that failed (here: no vLLM) is recorded as its error, and the runners phase after it
-    keeps its rollout's figures (it divided by the missing ceiling's seconds and lost them, found in a CPU dry run)."""
+    keeps its rollout's figures (it divided by the missing ceiling's seconds and lost them, found in a CPU dry run); the
+    prefetched schedule's groups start at once, their resets done before its clock."""
     import importlib.util
     import subprocess
     import sys
@@ -447,7 +448,7 @@ def test_sampler_benchs_rollout_figures_survive_a_failed_ceiling(tmp_path, data_
     out = tmp_path / "bench.json"
     repo = Path(__file__).parents[1]
     cmd = [sys.executable, str(repo / "bench" / "sampler_bench.py"), "--recipe", str(repo / "recipes" / "tiny.yaml"), "--out", str(out),
-           "--phases", "ceiling", "runners", "--schedules", "async", "--games", "2", "--no-sync", "--",
+           "--phases", "ceiling", "runners", "--schedules", "async", "prefetched", "--games", "2", "--no-sync", "--",
            "--trainer.accelerator", "cpu", "--data.env.num_workers", "2", "--data.games_per_batch", "2", "--data.group_size", "2",
            "--data.rollout.max_episode_steps", "3", "--model.model_name", tiny_model_dir, "--trainer.logger", "false"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=repo, env={**os.environ, "ALFWORLD_DATA": data_dir})
@@ -456,3 +457,6 @@ def test_sampler_benchs_rollout_figures_survive_a_failed_ceiling(tmp_path, data_
     assert "No module named 'vllm'" in phases["ceiling"]["error"]
     assert "error" not in phases["runners"] and phases["runners"]["async"]["seconds"] > 0
     assert "async_over_ceiling_time" not in phases["runners"]
+    runs = phases["runners"]
+    assert runs["prefetched"]["seconds"] > 0 and runs["prefetched"]["resets_seconds"] > 0 and runs["prefetched"]["turns"] == 2 * 2 * 3
+    assert runs["prefetched"]["last_group_started_seconds"] < runs["async"]["last_group_started_seconds"]
