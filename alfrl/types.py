@@ -10,8 +10,8 @@ from __future__ import annotations
 import json
 import statistics
 from dataclasses import asdict, dataclass, field
-from typing import ClassVar
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 
