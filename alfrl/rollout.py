@@ -301,18 +301,19 @@ class _Play:
         self.live_groups = 0
         self.started = started
         """The rollout's start (``time.perf_counter()``, the run's clock): trajectory end times count from it."""
-        self.marks: dict[tuple[int, int], list[float]] = {}  # per trajectory: its last event's time, then its phases' seconds
+        self.last_event: dict[tuple[int, int], float] = {}  # per trajectory: when its last event came
+        self.phases: dict[tuple[int, int], dict[str, float]] = {}  # per trajectory: its seconds in each phase so far
 
-    CLOSES = {"completion": 2, "env": 3}  # the phase an event ends (1 + its index in RolloutStats.LAST_ENDED); else "local",
-    # or "start" for a first request
+    CLOSES = {"completion": "generate", "env": "environment"}  # the phase an event ends; a first request ends "start", others "local"
 
     def event(self, kind: str, t: LiveTrajectory, turn: int) -> None:
         if self.r.trace is not None:
             self.r.trace.append((kind, t.group, t.index, turn))
-        now = time.perf_counter()
-        m = self.marks.setdefault((t.group, t.index), [self.started, 0.0, 0.0, 0.0, 0.0])
-        m[1 if kind == "request" and turn == 0 else self.CLOSES.get(kind, 4)] += now - m[0]
-        m[0] = now
+        key, now = (t.group, t.index), time.perf_counter()
+        phase = "start" if kind == "request" and turn == 0 else self.CLOSES.get(kind, "local")
+        phases = self.phases.setdefault(key, dict.fromkeys(("start", "generate", "environment", "local"), 0.0))
+        phases[phase] += now - self.last_event.get(key, self.started)
+        self.last_event[key] = now
 
     def live_count(self) -> int:
         return sum(t.live for lives in self.lives.values() for t in lives) + sum(
@@ -452,8 +453,8 @@ class _Play:
             return
         self.r.stats.trajectory_end_seconds.append(time.perf_counter() - self.started)
         self.event("end", t, len(t.turns))
-        m = self.marks[(t.group, t.index)]
-        self.r.stats.last_ended = dict(zip(RolloutStats.LAST_ENDED, [*m[1:], float(len(t.turns)), float(sum(u.completion_tokens for u in t.turns))]))
+        self.r.stats.last_ended = {**self.phases[(t.group, t.index)], "turns": float(len(t.turns)),
+                                   "tokens": float(sum(u.completion_tokens for u in t.turns))}
         if not any(o.live for o in self.lives[t.group]):
             self.group_ended(t.group)
 
