@@ -483,6 +483,10 @@ class PrefetchedResets:
     def matches(self, games: list[Game], group_size: int) -> bool:
         return self.game_ids == tuple(g.id for g in games) and self.group_size == group_size
 
+    def counts(self) -> tuple[int, int]:
+        """How many of the resets are back so far, of how many."""
+        return len(self.early), sum(len(t) for t in self.tickets)
+
     def stop_collecting(self) -> None:
         if self.collector is not None:
             self.stop.set()

@@ -92,10 +92,9 @@ def prefetch_resets(sampler, games, group_size: int, limit: float = 300.0) -> di
     if p is None:
         raise RuntimeError("--schedules prefetched: the recipe's resets cannot be prefetched (data.rollout.max_live_games below "
                            "the games); set it to 0")
-    total = sum(len(t) for t in p.tickets)
-    while len(p.early) < total:
+    while (counts := p.counts())[0] < counts[1]:
         if time.perf_counter() - started > limit:
-            raise RuntimeError(f"--schedules prefetched: {total - len(p.early)} of {total} resets not back after {limit:.0f} s")
+            raise RuntimeError(f"--schedules prefetched: {counts[1] - counts[0]} of {counts[1]} resets not back after {limit:.0f} s")
         time.sleep(0.01)
     return {"resets_seconds": time.perf_counter() - started}
 
@@ -249,7 +248,7 @@ def pushes_phase(sampler, policy, games, group_size: int, rounds: int) -> dict:
                 sampler.prefetch(games, group_size)
             metrics, seconds = timed(lambda: sampler.sync(policy))
             p = sampler._prefetch  # noqa: SLF001 - how far the resets had got when the push ended
-            back = [len(p.early), sum(len(t) for t in p.tickets)] if p is not None else None
+            back = list(p.counts()) if p is not None else None
             sampler.drop_prefetch()
             out.append({"seconds": seconds, "resets_back_at_end": back, **{k: v for k, v in metrics.items() if k.endswith("seconds")}})
     for mode in list(runs):
