@@ -15,7 +15,8 @@ Phases (figures into one JSON; each phase's errors are recorded, the others stil
   --profile-rollout START:COUNT: then one more asynchronous rollout with that window of engine steps profiled.
 - eval: the recipe's evaluation protocol on every evaluation game (the base model, or --adapter) -> --eval-out;
   --profile-steps START:COUNT profiles that window of engine steps (torch.profiler, then cProfile) -> OUT.profile.txt.
-- replay: the engine alone playing the asynchronous rollout's own turns again (bench/replay_ceiling.py), each request
+- replay: the engine alone playing the asynchronous rollout's own turns again (bench/replay_ceiling.py; seed 7's, of the
+  `async` schedule where it ran, else of the first one: ``replayed_schedule``, ``<schedule>_over_replay_time``), each request
   carrying the adapter the rollout was served (until 2026-12-03 none: the replay ran on the base weights);
   ``--save-turns FILE`` in one run and ``--replay-turns FILE`` in another replay the same turns on two engine settings.
 - update (bench/update_bench.py): PPO updates on the asynchronous rollout's trajectories, one per UPDATE_VARIANTS entry (packed-row
@@ -322,7 +323,7 @@ def main() -> None:
     sampler, start_seconds = timed(lambda: dm.connect(policy))
     report["engine_start_seconds"] = start_seconds
     games = sorted(shuffled(discover_games(dm.data_dir, [dm.train_split]), dm.seed)[: args.games], key=lambda g: g.id)
-    async_result = None
+    async_result, async_source = None, None  # seed 7's rollout the later phases reuse, and its schedule
     if not args.no_sync:  # served as a fit's rollouts are: after the first sync (the LoRA loaded, or merged weights)
         report["first_sync"] = {k: v for k, v in sampler.sync(policy).items() if isinstance(v, (int, float))}
     save()  # a run cut off before its first phase ends still tells how long the engine's start took
@@ -343,7 +344,7 @@ def main() -> None:
                         if rep == 0:
                             runs[schedule] = figures
                             if schedule == "async" or async_result is None:  # the replay and the update use seed 7's
-                                async_result = result
+                                async_result, async_source = result, schedule
                         else:
                             runs[schedule].setdefault("repeats", []).append(figures)
                 sampler.rollout_cfg = dm.rollout
@@ -373,8 +374,9 @@ def main() -> None:
                     replayed = {"replayed_from": args.replay_turns, **vllm_replay(sampler.engine, load_turns(args.replay_turns))}
                 else:
                     replayed = vllm_replay(sampler.engine, [t for g in async_result.groups for t in g.trajectories])
-                if "async" in report["phases"].get("runners", {}) and not args.replay_turns:
-                    replayed["async_over_replay_time"] = report["phases"]["runners"]["async"]["seconds"] / replayed["seconds"]
+                if async_source is not None and not args.replay_turns:  # the rollout whose turns these are, against them
+                    replayed["replayed_schedule"] = async_source
+                    replayed[f"{async_source}_over_replay_time"] = report["phases"]["runners"][async_source]["seconds"] / replayed["seconds"]
                 if "seconds" in report["phases"].get("ceiling", {}):
                     replayed["replay_over_ceiling_time"] = replayed["seconds"] / report["phases"]["ceiling"]["seconds"]
                 report["phases"]["replay"] = replayed
