@@ -374,9 +374,11 @@ def main() -> None:
                     replayed = {"replayed_from": args.replay_turns, **vllm_replay(sampler.engine, load_turns(args.replay_turns))}
                 else:
                     replayed = vllm_replay(sampler.engine, [t for g in async_result.groups for t in g.trajectories])
-                if async_source is not None and not args.replay_turns:  # the rollout whose turns these are, against them
+                # the rollout whose turns these are, timed (none where the runners phase failed or did not run)
+                source = report["phases"].get("runners", {}).get(async_source)
+                if source is not None and not args.replay_turns:
                     replayed["replayed_schedule"] = async_source
-                    replayed[f"{async_source}_over_replay_time"] = report["phases"]["runners"][async_source]["seconds"] / replayed["seconds"]
+                    replayed[f"{async_source}_over_replay_time"] = source["seconds"] / replayed["seconds"]
                 if "seconds" in report["phases"].get("ceiling", {}):
                     replayed["replay_over_ceiling_time"] = replayed["seconds"] / report["phases"]["ceiling"]["seconds"]
                 report["phases"]["replay"] = replayed
