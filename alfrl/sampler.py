@@ -150,6 +150,11 @@ class Sampler:
         p.collector.start()
         self._prefetch = p
 
+    def prefetch_counts(self) -> tuple[int, int] | None:
+        """A pending prefetch's resets back so far, of how many; None where none is pending (never submitted, taken by a
+        rollout, dropped, or not possible with ``max_live_games`` below the games)."""
+        return None if self._prefetch is None else self._prefetch.counts()
+
     @staticmethod
     def _collect(pool: EnvPool, p: PrefetchedResets) -> None:
         """Until the next rollout (or a drop) stops it: the pool sends each worker its next op only when polled, so this

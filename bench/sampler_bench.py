@@ -89,11 +89,10 @@ def prefetch_resets(sampler, games, group_size: int, limit: float = 300.0) -> di
     rollouts after the first do, their resets done during the update before. Returns the resets' seconds."""
     started = time.perf_counter()
     sampler.prefetch(games, group_size)
-    p = sampler._prefetch  # noqa: SLF001 - the bench waits on the prefetch's results
-    if p is None:
+    if sampler.prefetch_counts() is None:
         raise RuntimeError("--schedules prefetched: the recipe's resets cannot be prefetched (data.rollout.max_live_games below "
                            "the games); set it to 0")
-    while (counts := p.counts())[0] < counts[1]:
+    while (counts := sampler.prefetch_counts())[0] < counts[1]:
         if time.perf_counter() - started > limit:
             raise RuntimeError(f"--schedules prefetched: {counts[1] - counts[0]} of {counts[1]} resets not back after {limit:.0f} s")
         time.sleep(0.01)
@@ -248,8 +247,8 @@ def pushes_phase(sampler, policy, games, group_size: int, rounds: int) -> dict:
             if mode == "beside_resets":
                 sampler.prefetch(games, group_size)
             metrics, seconds = timed(lambda: sampler.sync(policy))
-            p = sampler._prefetch  # noqa: SLF001 - how far the resets had got when the push ended
-            back = list(p.counts()) if p is not None else None
+            counts = sampler.prefetch_counts()  # how far the resets had got when the push ended
+            back = list(counts) if counts is not None else None
             sampler.drop_prefetch()
             out.append({"seconds": seconds, "resets_back_at_end": back, **{k: v for k, v in metrics.items() if k.endswith("seconds")}})
     for mode in list(runs):
@@ -357,12 +356,12 @@ def main() -> None:
                     runs["profiled_async"] = {**rollout_figures(result, seconds), "profile": profiled}
                 if "rounds" in runs and "async" in runs:
                     runs["async_over_rounds_speedup"] = runs["rounds"]["seconds"] / runs["async"]["seconds"]
-                if "seconds" in report["phases"].get("ceiling", {}):  # a failed ceiling keeps the runs' figures
-                    for schedule in ("async", "prefetched"):
-                        if schedule in runs:  # seed 7's as <schedule>_over_ceiling_time, each repeat's in its figures
-                            runs[f"{schedule}_over_ceiling_time"] = runs[schedule]["seconds"] / report["phases"]["ceiling"]["seconds"]
-                            for figures in runs[schedule].get("repeats", []):
-                                figures["over_ceiling_time"] = figures["seconds"] / report["phases"]["ceiling"]["seconds"]
+                ceiling = report["phases"].get("ceiling", {}).get("seconds")  # none where it failed: the runs' figures stay
+                for schedule in ("async", "prefetched"):
+                    if ceiling is not None and schedule in runs:  # seed 7's as <schedule>_over_ceiling_time, each repeat's in its figures
+                        runs[f"{schedule}_over_ceiling_time"] = runs[schedule]["seconds"] / ceiling
+                        for figures in runs[schedule].get("repeats", []):
+                            figures["over_ceiling_time"] = figures["seconds"] / ceiling
                 report["phases"]["runners"] = runs
                 if args.save_turns and async_result is not None:  # seed 7's turns, for --replay-turns in another run
                     save_turns([t for g in async_result.groups for t in g.trajectories], args.save_turns)

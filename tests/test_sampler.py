@@ -313,10 +313,12 @@ def test_prefetched_resets_are_played_by_the_next_rollout_of_those_games_and_dro
         assert len(pool._envs) == 4  # two groups of two, resetting: two workers, one reset each at a time
         s._prefetch.collector.join(60)  # its thread polled the pool until every reset was back (the next ones sent as each ended)
         assert sorted(s._prefetch.early) == sorted(t for tickets in s._prefetch.tickets for t in tickets)
+        assert s.prefetch_counts() == (4, 4)  # every reset back, of four
         kinds, submit = [], pool.submit
         pool.submit = lambda ops: (kinds.extend(op.kind for op in ops), submit(ops))[1]
         fetched = s.rollout(games, 2, seed=3)
         assert kinds and "reset" not in kinds  # every reset was submitted before the rollout
+        assert s.prefetch_counts() is None  # the rollout took it
         assert [g.trajectories for g in fetched.groups] == [g.trajectories for g in plain]
         assert not pool._envs and not pool.busy  # the rollout released them as its own
         s.prefetch(games, 2)  # taken at once: some resets back, the others still running or queued
