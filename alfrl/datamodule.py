@@ -143,14 +143,16 @@ class RolloutDataModule(L.LightningDataModule):
         return out
 
     # ------------------------------------------------------------ wiring
-    def connect(self, policy, with_pool: bool = True) -> Sampler:
-        """The Sampler for ``policy`` (made once). In a fit the first call comes at ``on_train_start`` (the weight
-        sync), not in ``setup``: by then Lightning has put the policy's weights on the device, made the optimizer with
-        its state (``configure_optimizers``) and restored a checkpoint, so the trainer's long-lived GPU tensors exist
-        before the engine allocates anything (alfrl.guard says why)."""
+    def connect(self, policy, with_pool: bool = True, deterministic: bool | None = None) -> Sampler:
+        """The Sampler for ``policy`` (made once), its engine batch-invariant per ``deterministic`` (default
+        ``data.rollout.deterministic``; ``alfrl eval`` passes ``data.eval.deterministic``). In a fit the first call comes
+        at ``on_train_start`` (the weight sync), not in ``setup``: by then Lightning has put the policy's weights on the
+        device, made the optimizer with its state (``configure_optimizers``) and restored a checkpoint, so the trainer's
+        long-lived GPU tensors exist before the engine allocates anything (alfrl.guard says why)."""
         if self.sampler is None:
             self.sampler = Sampler.build(policy, self.rollout, self.reward, self.engine_cfg, self.env_cfg, self.eval_cfg,
-                                         seed=self.seed, with_pool=with_pool)
+                                         seed=self.seed, with_pool=with_pool,
+                                         deterministic=self.rollout.deterministic if deterministic is None else deterministic)
         return self.sampler
 
     def setup(self, stage: str) -> None:

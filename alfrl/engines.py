@@ -147,6 +147,9 @@ class Engine(Protocol):
     push_seconds: Mapping[str, float]
     """The last adapter push's phases in seconds where the engine times them (a vLLM core in its own process: write, load,
     swap; logged as ``sync/<phase>_seconds``), else empty."""
+    batch_invariant: bool
+    """True when a request's completions and log-probs do not depend on which other requests the engine ran beside it
+    (so the same seeds give the same trajectories to the bit, however the turns interleave)."""
 
     def generate(self, requests: list[SamplingRequest]) -> list[list[Completion]]:
         """``n`` completions per request, in request order (waits for all of them)."""
@@ -187,6 +190,8 @@ class InProcessEngine:
     guard_trainer_memory = False
     last_output_times = None
     push_seconds: Mapping[str, float] = MappingProxyType({})
+    batch_invariant = True
+    """Each request is generated on its own (``generate`` takes them one at a time), so none depends on another."""
 
     def __init__(self):
         self._queue: list[tuple[str, SamplingRequest]] = []

@@ -67,7 +67,7 @@ def _merge(parts: list[Path], games: list, out: Path, config: dict) -> dict:
         _, part_games, _ = read_results(part)
         records.update({r["game_id"]: r for r in part_games})
     ordered = [records[g.id] for g in games]
-    summary = summarize(ordered)
+    summary = summarize(ordered, config.get("deterministic"))
     write_results(out, results_header(config, [g.id for g in games], ranks=len(parts)), ordered, summary)
     return summary
 
@@ -113,7 +113,7 @@ def main(argv: list[str]) -> int:
         except (FileNotFoundError, ValueError) as e:
             print(f"alfrl eval: {e}", file=sys.stderr)
             return 2
-    sampler = dm.connect(policy)
+    sampler = dm.connect(policy, deterministic=cfg.deterministic)
     if args.adapter and not sampler.engine.shares_policy:
         sampler.sync(policy)  # the adapter into the engine (unmerged by default), counted and probed
     config = {
@@ -123,14 +123,17 @@ def main(argv: list[str]) -> int:
         "adapter_digest": _file_digest(adapter_file) if adapter_file else None,
         "engine": dm.engine_cfg.kind,
         "weight_sync": dm.engine_cfg.weight_sync if args.adapter else None,
-        # how many games run together changes no result (every request's seed is its own): a rerun may change it
-        "protocol": {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("games_per_chunk", "max_live_games")},
-        "rollout": dataclasses.asdict(cfg.rollout_config(dm.rollout)),
+        # how many games run together changes no result (every request's seed is its own): a rerun may change it; whether the
+        # engine was batch-invariant is recorded as it ran (the Sampler adds "deterministic")
+        "protocol": {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("games_per_chunk", "max_live_games", "deterministic")},
+        "rollout": {k: v for k, v in dataclasses.asdict(cfg.rollout_config(dm.rollout)).items() if k != "deterministic"},
         "reward": dataclasses.asdict(dm.reward),
+        "deterministic": sampler.deterministic,
     }
     mine = games[rank::world]  # each rank plays a disjoint share; the merged file keeps the sorted order
     print(f"alfrl eval: {len(mine)} of {len(games)} games on rank {rank}/{world} ({', '.join(cfg.splits)}), "
-          f"model {config['model_name']}, adapter {config['adapter'] or 'none'}", file=sys.stderr)
+          f"model {config['model_name']}, adapter {config['adapter'] or 'none'}, "
+          f"{'deterministic' if sampler.deterministic else 'not deterministic (data.eval.deterministic: false)'}", file=sys.stderr)
     try:
         def progress(done: int, total: int) -> None:
             if done % 10 == 0 or done == total:

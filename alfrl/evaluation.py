@@ -48,6 +48,10 @@ class EvalConfig:
     max_live_games: int = 0
     """Within a chunk, at most this many games played at once (0: the whole chunk); the next game
     starts when one ends. Keeps the KV cache from thrashing when the engine has a small share of the GPU."""
+    deterministic: bool = True
+    """``alfrl eval`` starts its engine batch-invariant, so the same adapter plays the same games to the bit in every run
+    (vLLM: ``VLLM_BATCH_INVARIANT=1`` wherever its engine core runs; the hf engine always is). A fit's periodic evaluation
+    plays on the fit's engine: ``data.rollout.deterministic`` decides there."""
 
     def problems(self, prefix: str = "data.eval") -> list[str]:
         out = []
@@ -141,8 +145,9 @@ def _block(records: list[dict]) -> dict:
     }
 
 
-def summarize(records: list[dict]) -> dict:
-    """Per split and overall (all games pooled) figures, and success per task type per split."""
+def summarize(records: list[dict], deterministic: bool | None = None) -> dict:
+    """Per split and overall (all games pooled) figures, and success per task type per split; ``deterministic``: whether
+    the engine that played them was batch-invariant (None: not recorded, as in files written before the key existed)."""
     games = [r for r in records if r.get("type", "game") == "game"]
     by_split: dict[str, list[dict]] = defaultdict(list)
     for r in games:
@@ -161,6 +166,7 @@ def summarize(records: list[dict]) -> dict:
         "overall": _block(games),
         "splits": {split: _block(rs) for split, rs in sorted(by_split.items())},
         "task_types": task_success,
+        "deterministic": deterministic,
     }
 
 
@@ -285,7 +291,7 @@ def run_eval(
                 spent[key] += getattr(runner.stats, key)
     order = {g.id: i for i, g in enumerate(games)}
     records.sort(key=lambda r: order[r["game_id"]])
-    summary = summarize(records)
+    summary = summarize(records, config.get("deterministic"))
     write_results(out, header, records, summary)
     return summary
 
@@ -300,4 +306,5 @@ def read_results(path: str | Path) -> tuple[dict | None, list[dict], dict]:
         raise EvalError(f"{path} cannot be read ({type(e).__name__}): is it an `alfrl eval` output?") from None
     if not games:
         raise EvalError(f"{path} holds no evaluated games: is it an `alfrl eval` output?")
-    return header, games, summarize(games)
+    config = header.get("config") if isinstance(header, dict) else None
+    return header, games, summarize(games, config.get("deterministic") if isinstance(config, dict) else None)

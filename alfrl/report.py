@@ -65,8 +65,42 @@ def paired_markdown(runs: list[tuple[str, dict, list[dict]]]) -> str:
             lines.append(f"| {name} | {split} | {c['games']} | {_pct(c['a_success'])} -> {_pct(c['b_success'])} | "
                          f"{100 * c['difference']:+.2f} pts | {c['b_only']} / {c['a_only']} | {c['p_value']:.4f} | "
                          f"[{100 * c['ci_low']:+.2f}, {100 * c['ci_high']:+.2f}] pts | {better} |")
-    lines += ["", "B better: the 95% interval excludes 0 and McNemar's p < 0.05 (discordant games only; 10,000 bootstrap resamples of games)."]
+    lines += ["", "B better: the 95% interval excludes 0 and McNemar's p < 0.05 (discordant games only; 10,000 bootstrap resamples of games).",
+              "", f"### Games played identically to {base_name}", "",
+              "| run | games | identical (every turn's text, action and token counts) | first different turn (median) | outcome changed |",
+              "|---|---|---|---|---|"]
+    for name, _, games in runs[1:]:
+        same = identical_games(base_games, games)
+        firsts = sorted(v for v in same["first_difference"].values() if v is not None)
+        median = "-" if not firsts else str(firsts[len(firsts) // 2])
+        lines.append(f"| {name} | {same['games']} | {same['identical']} | {median} | {same['outcome_changed']} |")
+    lines += ["", "Two evaluations of one adapter on a deterministic engine play every game identically; on a non-deterministic "
+              "engine some games diverge (bf16 near-ties flip with what shares an engine step)."]
     return "\n".join(lines) + "\n"
+
+
+PLAYED_FIELDS = ("completion_text", "action", "prompt_tokens", "completion_tokens", "finish_reason", "observation")
+"""What two plays of one turn must share to be the same play (texts, tokens, what the environment answered)."""
+
+
+def identical_games(a: list[dict], b: list[dict]) -> dict:
+    """Of the games both runs played: how many were played identically (every turn the same by ``PLAYED_FIELDS``, the
+    same stop), each game's first different turn (None: identical), and how many changed outcome."""
+    first_difference: dict[str, int | None] = {}
+    by_id = {r["game_id"]: r for r in b}
+    changed = 0
+    for ra in a:
+        rb = by_id.get(ra["game_id"])
+        if rb is None:
+            continue
+        ta, tb = ra.get("turns", []), rb.get("turns", [])
+        turn = next((i for i, (x, y) in enumerate(zip(ta, tb)) if any(x.get(f) != y.get(f) for f in PLAYED_FIELDS)), None)
+        if turn is None and (len(ta) != len(tb) or ra.get("stop_reason") != rb.get("stop_reason")):
+            turn = min(len(ta), len(tb))
+        first_difference[ra["game_id"]] = turn
+        changed += bool(ra.get("won")) != bool(rb.get("won"))
+    return {"games": len(first_difference), "identical": sum(v is None for v in first_difference.values()),
+            "first_difference": first_difference, "outcome_changed": changed}
 
 
 def _task_rate(summary: dict, task: str, split: str | None) -> float | None:
@@ -77,11 +111,26 @@ def _task_rate(summary: dict, task: str, split: str | None) -> float | None:
     return wins / games if games else None
 
 
+DETERMINISTIC_CELL = {True: "yes", False: "no", None: "not recorded"}
+
+
+def determinism_warning(runs: list[tuple[str, dict]]) -> str | None:
+    """A warning when deterministic runs are compared with runs that were not (or did not record it), else None."""
+    exact = [name for name, s in runs if s.get("deterministic") is True]
+    noisy = [name for name, s in runs if s.get("deterministic") is not True]
+    if not exact or not noisy:
+        return None
+    return (f"{', '.join(exact)} {'was' if len(exact) == 1 else 'were'} evaluated deterministically and {', '.join(noisy)} "
+            f"{'was' if len(noisy) == 1 else 'were'} not (or did not record it): differences against "
+            f"{'it' if len(noisy) == 1 else 'them'} include that engine's run-to-run noise; evaluate both with "
+            "data.eval.deterministic: true")
+
+
 def markdown(runs: list[tuple[str, dict]]) -> str:
     base = runs[0][1]
     lines = ["# alfrl evaluation report", "", "## Success", ""]
-    lines.append("| run | seen | unseen | overall | wins | mean reward | invalid actions / episode | valid format | admissible |")
-    lines.append("|---|---|---|---|---|---|---|---|---|")
+    lines.append("| run | seen | unseen | overall | wins | mean reward | invalid actions / episode | valid format | admissible | deterministic |")
+    lines.append("|---|---|---|---|---|---|---|---|---|---|")
     for name, s in runs:
         cells = []
         for split in SPLIT_COLUMNS:
@@ -90,9 +139,16 @@ def markdown(runs: list[tuple[str, dict]]) -> str:
             cells.append(_pct(block and block["success_rate"]) + (_delta(block["success_rate"], b0 and b0["success_rate"]) if block and s is not base else ""))
         o, o0 = s["overall"], base["overall"]
         cells.append(_pct(o["success_rate"]) + (_delta(o["success_rate"], o0["success_rate"]) if s is not base else ""))
-        cells += [f"{o['wins']}/{o['games']}", f"{o['mean_reward']:.3f}", f"{o['mean_invalid_actions']:.2f}", _pct(o["valid_format_rate"]), _pct(o["admissible_rate"])]
+        cells += [f"{o['wins']}/{o['games']}", f"{o['mean_reward']:.3f}", f"{o['mean_invalid_actions']:.2f}", _pct(o["valid_format_rate"]),
+                  _pct(o["admissible_rate"]), DETERMINISTIC_CELL[s.get("deterministic")]]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    lines += ["", f"Changes in parentheses are percentage points against {runs[0][0]}.", "", "## Success per task type (all splits)", ""]
+    lines += ["", f"Changes in parentheses are percentage points against {runs[0][0]}. Deterministic: the engine was batch-invariant "
+              "(a second run of the same adapter plays the same games to the bit); no: two runs of one adapter differed by up to 3 "
+              "points (results/qwen15b_warmstart/README.md); not recorded: written before alfrl recorded it."]
+    warning = determinism_warning(runs)
+    if warning:
+        lines += ["", f"**Warning:** {warning}"]
+    lines += ["", "## Success per task type (all splits)", ""]
     lines.append("| task type | " + " | ".join(name for name, _ in runs) + " |")
     lines.append("|---|" + "---|" * len(runs))
     for task in TASK_TYPES:
@@ -279,6 +335,9 @@ def main(argv: list[str]) -> int:
         print(f"alfrl report: {e}", file=sys.stderr)
         return 2
     runs = [(name, summary) for name, summary, _ in loaded]
+    warning = determinism_warning(runs)
+    if warning:
+        print(f"alfrl report: warning: {warning}", file=sys.stderr)
     text = markdown(runs) + (paired_markdown(loaded) if len(loaded) > 1 else "")
     train_rows = training_rows(args.train_log) if args.train_log else []
     text += training_markdown(train_rows) if train_rows else ""

@@ -64,6 +64,10 @@ class RolloutConfig:
     max_live_games: int = 0
     """At most this many games played at once (0: all): the next game starts when one ends, so the engine's KV cache holds
     the live trajectories instead of thrashing (an evaluation of 274 games)."""
+    deterministic: bool = False
+    """``alfrl fit`` starts its engine batch-invariant: a rollout's completions and log-probs do not depend on which other
+    requests shared an engine step (vLLM: ``VLLM_BATCH_INVARIANT=1``; the hf engine always is). Its periodic evaluations
+    play on the same engine. ``alfrl eval`` follows ``data.eval.deterministic`` instead."""
 
     def problems(self, prefix: str = "data.rollout") -> list[str]:
         out = []

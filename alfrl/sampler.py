@@ -74,8 +74,9 @@ class Sampler:
 
     @classmethod
     def build(cls, policy, rollout: RolloutConfig, reward: RewardConfig, engine: EngineConfig, env: EnvConfig,
-              evaluation: EvalConfig, seed: int = 0, with_pool: bool = True) -> Sampler:
-        """The engine for ``policy`` (its tokenizer, its weights), a worker pool and the chat format."""
+              evaluation: EvalConfig, seed: int = 0, with_pool: bool = True, deterministic: bool = False) -> Sampler:
+        """The engine for ``policy`` (its tokenizer, its weights), a worker pool and the chat format; ``deterministic``:
+        an engine whose requests do not depend on each other (vLLM's batch-invariant mode; the hf engine always is)."""
         tokenizer = policy.load_tokenizer()
         fmt = chat_format(tokenizer, rollout.action_format, rollout.enable_thinking)
         if engine.kind == "hf":
@@ -106,6 +107,7 @@ class Sampler:
                     stop_strings=bool(rollout.stop_strings),  # evaluation's rollouts take the training ones' stop strings
                     high_priority_stream=engine.high_priority_stream,
                     separate_process=engine.separate_process,
+                    batch_invariant=deterministic,
                 )
             if limited and torch.cuda.is_available():
                 # not "of the GPU's N": under an MPS limit the device reports the limited count to this process too
@@ -225,12 +227,18 @@ class Sampler:
         before = self.engine.counters()
         start = time.perf_counter()
         spent: dict = {}
+        config = {**config, "deterministic": self.deterministic}  # recorded in the header (and so in its hash) and the summary
         summary = run_eval(self.runner(cfg.rollout_config(self.rollout_cfg)), games, cfg, out, config, overwrite, on_game, spent)
         summary["seconds"] = time.perf_counter() - start
         c = self.engine.counters().minus(before)
         summary["time"] = {**spent, "prompt_tokens": c.prompt_tokens, "cached_prompt_tokens": c.cached_prompt_tokens,
                            "generated_tokens": c.generated_tokens}  # where this process's time went (not part of the results)
         return summary
+
+    @property
+    def deterministic(self) -> bool:
+        """Whether this Sampler's rollouts and evaluations reproduce to the bit (its engine is batch-invariant)."""
+        return bool(self.engine.batch_invariant)
 
     def close(self) -> None:
         p, self._prefetch = self._prefetch, None

@@ -74,6 +74,22 @@ def wake_up_nan_hint(sleep_mode: bool, enforce_eager: bool, extra: dict) -> str:
             "data.engine.enforce_eager: true has run clean")
 
 
+def set_batch_invariance(on: bool) -> None:
+    """vLLM's batch-invariant mode (``VLLM_BATCH_INVARIANT``) for the engines this process starts: its own engine core and
+    the ones it spawns, which inherit the environment. vLLM reads the switch when its modules load (the LoRA kernels keep it
+    from their import on) and, in the process that runs the engine core, replaces torch's softmax, log-softmax, mean and bmm
+    on the GPU and turns off split-k matmuls: in the trainer's process (``separate_process: false``) the update runs on them
+    too. So a process keeps the mode its first engine had; asking for the other one later is an ``EngineError``."""
+    import sys
+
+    lora_utils = sys.modules.get("vllm.lora.ops.triton_ops.utils")
+    if lora_utils is not None and bool(getattr(lora_utils, "is_batch_invariant", False)) != on:
+        raise EngineError(f"vLLM was loaded in this process with its batch-invariant mode {'off' if on else 'on'}; an engine "
+                          f"{'with' if on else 'without'} it cannot start beside that: run it in a process of its own "
+                          "(data.eval.deterministic / data.rollout.deterministic name the mode)")
+    os.environ["VLLM_BATCH_INVARIANT"] = "1" if on else "0"
+
+
 def scored_token(out, token: int) -> float:
     """The log-prob of ``token`` in a one-token request's output that asked for it (``logprob_token_ids``)."""
     steps = out.outputs[0].logprobs or []
@@ -117,6 +133,7 @@ class VLLMEngine:
         stop_strings: bool = False,
         high_priority_stream: bool = False,
         separate_process: bool = False,
+        batch_invariant: bool = False,
     ):
         if separate_process and (enable_sleep_mode or high_priority_stream):
             raise EngineError("a vLLM engine in a separate process takes no sleep mode and no high-priority stream (both act on "
@@ -128,6 +145,8 @@ class VLLMEngine:
         if separate_process:
             os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
         self._adapter_root: str | None = None  # separate_process: the folder (in /dev/shm if any) of the pushed adapters
+        set_batch_invariance(batch_invariant)
+        self.batch_invariant = batch_invariant
         try:
             import vllm
         except ImportError as e:
@@ -138,6 +157,12 @@ class VLLMEngine:
         if not torch.cuda.is_available():
             raise EngineError("the vllm engine needs a CUDA GPU and none is visible here; set data.engine.kind: hf to run on CPU")
         self._vllm = vllm
+        import importlib
+
+        envs = importlib.import_module("vllm.envs")
+        if bool(envs.VLLM_BATCH_INVARIANT) != batch_invariant:  # read once a service started: a second engine keeps the first's
+            raise EngineError(f"vLLM in this process reads its batch-invariant mode as {bool(envs.VLLM_BATCH_INVARIANT)}, this "
+                              f"engine asks for {batch_invariant}: start it in a process of its own")
         self.sleep_mode = enable_sleep_mode
         self._asleep = False
         self._lora = None  # the LoRARequest every request carries once an adapter is loaded

@@ -3,6 +3,7 @@
 import json
 import os
 import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -111,6 +112,22 @@ def test_an_interrupted_eval_keeps_every_finished_game_and_resumes_to_the_same_s
     assert run_eval(runner, games[:2], cfg, tmp_path / "parts.jsonl", {"model": "other"}, overwrite=True)["overall"]["games"] == 2
 
 
+def test_the_cpu_engine_plays_the_same_records_twice_and_the_files_say_it_was_deterministic(valid_games, tiny_runner, tmp_path):
+    """data.eval.deterministic: the hf engine generates each request on its own under the request's seed, so two runs of the
+    same games at temperature 1 (every turn sampled) write the same records, token counts included, whatever the
+    environments' timing; the header and the summary record that the engine was batch-invariant."""
+    runner, cfg = tiny_runner
+    games = [valid_games[0], valid_games[-1], valid_games[1]]
+    config = {"model": "tiny", "deterministic": runner.engine.batch_invariant}
+    first = run_eval(runner, games, cfg, tmp_path / "a.jsonl", config)
+    second = run_eval(runner, games, cfg, tmp_path / "b.jsonl", config)
+    (ha, ga, sa), (_, gb, sb) = read_results(tmp_path / "a.jsonl"), read_results(tmp_path / "b.jsonl")
+    assert ga == gb and first == second == sa == sb
+    assert sum(t["completion_tokens"] for r in ga for t in r["turns"]) > 0 and all("prompt_tokens" in t for r in ga for t in r["turns"])
+    assert ha["config"]["deterministic"] is True and sa["deterministic"] is True
+    assert summarize(ga)["deterministic"] is None  # a summary made without the header does not claim it
+
+
 def test_a_limited_evaluation_covers_every_task_type_of_each_split_with_the_same_games_every_time(data_dir):
     games = eval_games(data_dir, ("valid_seen", "valid_unseen"), 6)
     assert [g.split for g in games] == ["valid_seen"] * 6 + ["valid_unseen"] * 6
@@ -143,6 +160,8 @@ def test_make_eval_runs_the_tiny_model_and_report_compares_runs(tmp_path, data_d
         assert "success per task type" in proc.stdout and "in engine steps" in proc.stdout and " ms each)" in proc.stdout  # where the time went
         header, games, summary = read_results(out)
         assert header["config"]["model_name"] == tiny_model_dir and len(games) == 4
+        assert header["config"]["deterministic"] is True and summary["deterministic"] is True  # data.eval.deterministic, as played
+        assert "deterministic" in proc.stderr
         assert json.loads(out.with_suffix(".summary.json").read_text()) == summary
         assert json.loads(out.read_text().splitlines()[-1])["type"] == "summary"
         outputs.append(str(out))
@@ -152,6 +171,7 @@ def test_make_eval_runs_the_tiny_model_and_report_compares_runs(tmp_path, data_d
     assert proc.returncode == 0, proc.stderr
     table = (report / "report.md").read_text()
     assert "| base |" in table and "| greedy |" in table and "pick_and_place_simple" in table
+    assert table.count("% | yes |") == 2 and "Warning" not in table and "warning" not in proc.stderr  # both deterministic
     for png in ("success_by_split.png", "success_by_task.png", "invalid_actions.png"):
         data = (report / png).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
@@ -166,6 +186,30 @@ def test_report_of_hand_made_runs(tmp_path):
     assert "| base | 66.67% | 0.00% | 50.00% | 2/4 |" in table
     assert "| trained | 100.00% (+33.33) | 100.00% (+100.00) | 100.00% (+50.00) | 4/4 |" in table
     assert "| look_at_obj_in_light | 50.00% | 100.00% (+50.00) |" in table
+    assert table.count("% | not recorded |") == 2 and "Warning" not in table
+
+
+def test_report_warns_when_it_pairs_a_deterministic_evaluation_with_one_that_was_not(tmp_path):
+    """Two runs of one adapter on a non-deterministic engine differed by 3 points: a paired difference against such a run
+    is not the adapters' alone; the report says so in report.md and on stderr, and says nothing when both are exact."""
+    def write(name, deterministic, won):
+        records = [dict(r, won=won) for r in HAND_MADE]
+        header = {"type": "header", "config": {"model": name, **({} if deterministic is None else {"deterministic": deterministic})}}
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in [header, *records]))
+        return str(path)
+
+    exact, noisy, old = write("exact", True, True), write("noisy", False, False), write("old", None, True)
+    for files, warned in (([exact, noisy], ["noisy was not"]), ([old, exact], ["old was not"]), ([exact, write("exact2", True, False)], [])):
+        out = tmp_path / f"report-{len(list(tmp_path.glob('report-*')))}"
+        proc = subprocess.run([sys.executable, "-m", "alfrl.cli", "report", *files, "--out", str(out)], capture_output=True, text=True,
+                              cwd=REPO, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        table = (out / "report.md").read_text()
+        for text in warned:
+            assert text in table and "**Warning:**" in table and "alfrl report: warning:" in proc.stderr and text in proc.stderr
+        if not warned:
+            assert "Warning" not in table and "warning" not in proc.stderr
 
 
 def test_report_training_curves_merge_a_resumed_run(tmp_path):
@@ -230,3 +274,24 @@ def test_fit_table_reads_an_older_fits_wall_clock_from_vllms_swap_stamps(tmp_pat
         "22.250 s a step; other 0.750-1.750 s a step")
     log.write_text(stamp.format(1) + stamp.format(13))
     assert fit_table.log_walls(str(log), str(csv_file)) == "2 swap stamps for 3 updates: no wall clock from this log"
+
+
+def test_identical_games_finds_each_games_first_different_turn():
+    """alfrl report's "games played identically": every turn's text, action and token counts, and the same stop."""
+    from alfrl.report import identical_games
+
+    def game(gid, texts, won=False, stop="max_steps"):
+        turns = [{"completion_text": t, "action": t, "prompt_tokens": 10 * i, "completion_tokens": len(t), "finish_reason": "stop",
+                  "observation": "ok"} for i, t in enumerate(texts)]
+        return {"game_id": gid, "won": won, "stop_reason": stop, "turns": turns}
+
+    a = [game("g1", ["go", "take"]), game("g2", ["go", "open"]), game("g3", ["look"]), game("g4", ["go"], won=True, stop="won"),
+         game("only-a", ["x"])]
+    b = [game("g1", ["go", "take"]), game("g2", ["go", "close"]), game("g3", ["look", "look"]), game("g4", ["go"]),
+         game("only-b", ["x"])]
+    b[0]["turns"][1] = dict(b[0]["turns"][1])  # equal content in another object: still identical
+    same = identical_games(a, b)
+    assert same["games"] == 4 and same["identical"] == 1 and same["outcome_changed"] == 1
+    assert same["first_difference"] == {"g1": None, "g2": 1, "g3": 1, "g4": 1}
+    b[0]["turns"][0] = dict(b[0]["turns"][0], completion_tokens=3)  # one token more in the same text: a different play
+    assert identical_games(a, b)["first_difference"]["g1"] == 0

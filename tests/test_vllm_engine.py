@@ -14,7 +14,8 @@ def test_a_high_priority_stream_is_the_threads_current_stream_before_the_engine_
     events = []
     vllm = ModuleType("vllm")
     vllm.LLM = lambda **kw: events.append("LLM") or _llm()
-    for name, mod in (("vllm", vllm), ("vllm.utils", ModuleType("vllm.utils")), ("vllm.utils.torch_utils", ModuleType("vllm.utils.torch_utils"))):
+    for name, mod in (("vllm", vllm), ("vllm.utils", ModuleType("vllm.utils")), ("vllm.utils.torch_utils", ModuleType("vllm.utils.torch_utils")),
+                      ("vllm.envs", _stand_in_envs())):
         monkeypatch.setitem(sys.modules, name, mod)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "Stream", lambda priority=0: ("stream", priority))
@@ -26,6 +27,16 @@ def test_a_high_priority_stream_is_the_threads_current_stream_before_the_engine_
     assert events == ["LLM"]
     assert EngineConfig(high_priority_stream=True).problems() == [
         "data.engine.high_priority_stream=true needs data.engine.kind: vllm (the hf engine runs no stream of its own): set it to false"]
+
+
+def _stand_in_envs():
+    """A stand-in ``vllm.envs``: each variable read from the environment when asked, as vLLM's module does."""
+    import os
+    from types import ModuleType
+
+    envs = ModuleType("vllm.envs")
+    envs.__getattr__ = lambda name: bool(int(os.environ.get(name, "0")))
+    return envs
 
 
 def _llm():
@@ -67,6 +78,7 @@ def _stand_in_vllm(monkeypatch, llm):
         lora_path: str = ""
 
     modules = {name: ModuleType(name) for name in ("vllm", "vllm.lora", "vllm.lora.request")}
+    modules["vllm.envs"] = _stand_in_envs()
     modules["vllm"].LLM = llm
     modules["vllm.lora.request"].LoRARequest = LoRARequest
     for name, mod in modules.items():
@@ -94,6 +106,40 @@ def test_a_separate_process_engine_is_spawned_by_vllm_and_an_inline_one_is_not(m
     for bad in (dict(enable_sleep_mode=True), dict(high_priority_stream=True)):
         with pytest.raises(EngineError, match="separate process takes no sleep mode"):
             VLLMEngine("a-model", separate_process=True, **bad)
+
+
+def test_a_deterministic_engine_starts_vllm_batch_invariant_wherever_its_core_runs(monkeypatch):
+    """data.eval.deterministic / data.rollout.deterministic: VLLM_BATCH_INVARIANT is set before vLLM makes its engine, in this
+    process or in the core it spawns (which inherits the environment); a process whose vLLM loaded the other mode refuses."""
+    import os
+    import sys
+    from types import SimpleNamespace
+
+    import pytest
+
+    from alfrl.engines import EngineError
+    from alfrl.vllm_engine import VLLMEngine
+
+    seen = []
+    _stand_in_vllm(monkeypatch, lambda **kw: seen.append((os.environ["VLLM_BATCH_INVARIANT"], os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"]))
+                   or _llm())
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "0")
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    engines = [VLLMEngine("a-model", batch_invariant=True), VLLMEngine("a-model", batch_invariant=True, separate_process=True),
+               VLLMEngine("a-model")]
+    assert seen == [("1", "0"), ("1", "1"), ("0", "0")]
+    assert [e.batch_invariant for e in engines] == [True, True, False]
+    # vLLM's LoRA kernels read the mode once, when they load: an engine of the other mode in the same process is refused
+    monkeypatch.setitem(sys.modules, "vllm.lora.ops.triton_ops.utils", SimpleNamespace(is_batch_invariant=False))
+    with pytest.raises(EngineError, match="batch-invariant mode off; an engine with it cannot start beside that"):
+        VLLMEngine("a-model", batch_invariant=True)
+    assert len(seen) == 3  # refused before vLLM made anything
+    VLLMEngine("a-model")  # the mode it loaded with still starts
+    # vLLM's envs cached (after a service started) with the other mode: refused too
+    monkeypatch.delitem(sys.modules, "vllm.lora.ops.triton_ops.utils")
+    monkeypatch.setattr(sys.modules["vllm.envs"], "VLLM_BATCH_INVARIANT", False, raising=False)
+    with pytest.raises(EngineError, match="reads its batch-invariant mode as False, this engine asks for True"):
+        VLLMEngine("a-model", batch_invariant=True)
 
 
 def test_an_adapter_reaches_a_separate_engine_as_a_peft_folder_and_only_the_served_one_stays(monkeypatch, tiny_model_dir):

@@ -1,0 +1,108 @@
+#!/usr/bin/env bash
+# One GPU lease as a background job, so no step is bound by a call's limit. Calls, back to back (the machine goes
+# cold 30 s after a call; a carried path exists only during its call, so `stage` copies it to /tmp):
+#   bash bench/lease.sh stage .gpu-kit/c01       # ... c07 (c01 carries install.sh), then .gpu-model/m01 ... m20, then .gpu-data
+#   bash bench/lease.sh start                    # after the last piece: install, games, model, then the lane (LANE=...)
+#   bash bench/lease.sh wait 540                 # until the lane is done or 540 s pass; its results and logs go to $OUT
+# .gpu-data holds json_2.1.1.tar.xz and expert.jsonl.gz (`alfrl expert --config recipes/qwen15b_coder_h200.yaml`, made
+# on the CPU beforehand). LANE=determinism (issue "Reproducible to the bit"): the warm start (alfrl sft on every plan), its
+# 274-game evaluation twice with data.eval.deterministic true and once false, compared by `alfrl report`; then 3-update
+# fits from it with data.rollout.deterministic true (twice) and false, their rollouts and adapters compared.
+# DRY=1 runs the same lane on this CPU with the tiny model (hf engine, 2 games a split) to check it before a lease.
+set -uo pipefail
+cd "${ALFRL_REPO:-$(dirname "$0")/..}"
+REPO=$PWD
+W=${ALFRL_GPU_WORK:-/tmp/alfrl}
+OUT=${OUT:-$W/out}
+DRY=${DRY:-0}
+LANE=${LANE:-determinism}
+mkdir -p "$W/logs" "$W/results" "$W/runs" "$OUT"
+RUN=$W/runs
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false ALFWORLD_DATA=$W/alfworld
+log() { echo "$(date +%T) $*" | tee -a "$W/logs/lease.log"; }
+timed() {  # timed NAME CMD...: the command's output in logs/NAME.log, its rc and seconds in results/times.txt
+  local name=$1 s rc; shift; s=$(date +%s)
+  "$@" > "$W/logs/$name.log" 2>&1; rc=$?
+  echo "$name rc=$rc seconds=$(( $(date +%s) - s ))" >> "$W/results/times.txt"; log "$name rc=$rc"; return $rc
+}
+if [ "$DRY" = 1 ]; then
+  PY=${PY:-$REPO/.venv/bin/python}; export ALFWORLD_DATA=${ALFWORLD_DATA_DRY:-$REPO/.cache/alfworld}
+  TINY=${ALFRL_TINY_MODEL:-$REPO/.cache/tiny-model}
+  RL=recipes/tiny.yaml; SFT=recipes/sft_tiny.yaml; MODEL=(--model.model_name "$TINY")
+  SFT_ARGS=(--trainer.max_steps 2 --trainer.accelerator cpu); EXPERT=$REPO/runs/tiny-expert.jsonl
+  EVAL=(--limit-per-split 2 --data.env.num_workers 2); FIT=(--trainer.accelerator cpu --data.env.num_workers 2 --data.games_per_batch 2)
+else
+  PY=python3
+  export PYTHONPATH=/tmp/site:$REPO NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+  export TRITON_CACHE_DIR=$W/cache/triton VLLM_CACHE_ROOT=$W/cache/vllm TORCHINDUCTOR_CACHE_DIR=$W/cache/inductor
+  RL=recipes/rl_qwen15b_from_sft.yaml; SFT=recipes/sft_qwen15b.yaml; MODEL=(--model.model_name "$W/qwen15b-coder-hf")
+  SFT_ARGS=(); EXPERT=$W/expert.jsonl
+  # alone on the GPU: 0.85 of it holds every game's KV cache (28 KiB a token, 274 x 12,000 tokens at most)
+  EVAL=(--data.engine.gpu_memory_utilization 0.85 --data.env.num_workers 16); FIT=(--data.env.num_workers 16)
+fi
+ALFRL=("$PY" -m alfrl.cli)
+
+setup() {  # the kit, the games and the model (GPU); the expert plans unpacked
+  if [ "$DRY" = 1 ]; then
+    [ -f "$EXPERT" ] || timed expert "${ALFRL[@]}" expert --config "$RL" "${MODEL[@]}" --trainer.accelerator cpu --limit 8 --out "$EXPERT" || return 1
+    return 0
+  fi
+  timed install bash /tmp/wheel-stage/install.sh install /tmp/site || return 1
+  { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+    "$PY" -c "import torch, transformers, vllm; print('torch', torch.__version__, 'transformers', transformers.__version__, 'vllm', vllm.__version__)"
+  } > "$W/results/machine.txt" 2>&1 || return 1
+  timed games "${ALFRL[@]}" data prepare --data-dir "$W/alfworld" --archive /tmp/gpu-data/json_2.1.1.tar.xz || return 1
+  gunzip -c /tmp/gpu-data/expert.jsonl.gz > "$EXPERT" || return 1
+  mkdir -p "$W/qwen15b-coder" && cat /tmp/model-stage/qwen.gguf.part* > "$W/qwen15b-coder/qwen.gguf" || return 1
+  timed convert "${ALFRL[@]}" convert-gguf "$W/qwen15b-coder" --gguf-file qwen.gguf --out "$W/qwen15b-coder-hf"
+}
+
+determinism() {
+  timed sft "${ALFRL[@]}" sft --config "$SFT" "${MODEL[@]}" --data.expert_file "$EXPERT" --trainer.default_root_dir "$RUN/sft" \
+    "${SFT_ARGS[@]}" || return 1
+  local adapter=$RUN/sft/checkpoints/last
+  for name in det_a det_b nondet; do
+    local extra=(); [ "$name" = nondet ] && extra=(--data.eval.deterministic false)
+    timed "eval_$name" "${ALFRL[@]}" eval --config "$RL" "${MODEL[@]}" --adapter "$adapter" "${EVAL[@]}" "${extra[@]}" \
+      --out "$RUN/$name.jsonl"
+    cp "$RUN/$name.summary.json" "$W/results/" 2>/dev/null; grep -h "evaluation time\|in engine steps" "$W/logs/eval_$name.log" >> "$W/results/eval_times.txt"
+  done
+  timed report "${ALFRL[@]}" report "$RUN/det_a.jsonl" "$RUN/det_b.jsonl" "$RUN/nondet.jsonl" --names det_a det_b nondet --out "$W/results/report"
+  for name in fit_det_a fit_det_b fit_nondet; do
+    local flag=true; [ "$name" = fit_nondet ] && flag=false
+    timed "$name" "${ALFRL[@]}" fit --config "$RL" "${MODEL[@]}" --model.init_adapter "$adapter" "${FIT[@]}" \
+      --data.rollout.deterministic $flag --data.save_rollouts true --trainer.max_steps 3 --checkpoint.save_every 3 \
+      --trainer.default_root_dir "$RUN/$name"
+    cp "$RUN/$name"/csv/version_0/metrics.csv "$W/results/$name.metrics.csv" 2>/dev/null
+    (cd "$RUN/$name" && sha256sum rollouts/* checkpoints/step-000003/adapter/* > "$W/results/$name.sha256" 2>/dev/null)
+  done
+}
+
+pack() {  # results and the logs' ends into $OUT (8 files at most)
+  tar -czf "$OUT/results.tgz" -C "$W" results 2>/dev/null
+  for f in "$W"/logs/*.log; do tail -n 60 "$f" | cut -c1-400; done > "$OUT/logs_tail.txt"
+  cp "$W/logs/lease.log" "$OUT/" 2>/dev/null; true
+}
+
+case "${1:-}" in
+  stage)  # stage DIR: a kit chunk, a model piece or .gpu-data, copied to /tmp before the call ends
+    case "$2" in
+      *gpu-kit*) if [ -f "$2/install.sh" ]; then bash "$2/install.sh" stage "$2"; else bash /tmp/wheel-stage/install.sh stage "$2"; fi ;;
+      *gpu-model*) mkdir -p /tmp/model-stage && cp "$2"/qwen.gguf.part* /tmp/model-stage/ ;;
+      *gpu-data*) mkdir -p /tmp/gpu-data && cp -r "$2"/. /tmp/gpu-data/ ;;
+      *) echo "stage: give .gpu-kit/cNN, .gpu-model/mNN or .gpu-data" >&2; exit 2 ;;
+    esac && log "staged $2" ;;
+  start)
+    cp "$0" "$W/lease.sh"
+    ALFRL_REPO=$REPO ALFRL_GPU_WORK=$W LANE=$LANE DRY=$DRY setsid nohup bash "$W/lease.sh" _run > "$W/logs/job.log" 2>&1 < /dev/null &
+    log "started $LANE" ;;
+  _run)
+    { setup && "$LANE"; } ; touch "$W/done"; log "done" ;;
+  wait)
+    end=$(( $(date +%s) + ${2:-540} ))
+    [ -f "$W/logs/job.log" ] || { echo "wait: nothing started on this machine (a fresh one?)" >&2; exit 1; }
+    while [ "$(date +%s)" -lt "$end" ] && [ ! -f "$W/done" ]; do sleep 5; done
+    pack; tail -n 20 "$W/logs/lease.log"; cat "$W/results/times.txt" 2>/dev/null
+    [ -f "$W/done" ] && echo "all done" ;;
+  *) sed -n 2,12p "$0"; exit 2 ;;
+esac
