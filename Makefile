@@ -54,7 +54,6 @@ bench: setup data
 	$(PY) bench/env_throughput.py --out bench/out/env_throughput.json
 	$(PY) bench/env_throughput.py --compare-reset --workers 2 --rounds 3 --out bench/out/env_reset.json
 	$(PY) bench/env_throughput.py --compare-step --workers 2 --rounds 3 --out bench/out/env_step.json
-	$(PY) bench/nice_contention.py --rounds 3 --out bench/out/nice_contention.json
 
 clean:
 	rm -rf runs lightning_logs .pytest_cache

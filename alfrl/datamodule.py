@@ -26,7 +26,8 @@ from alfrl.games import DataError, Game, fingerprint, scan_games, shuffled
 from alfrl.rewards import RewardConfig
 from alfrl.rollout import RolloutConfig, rollout_metrics
 from alfrl.sampler import Sampler
-from alfrl.sampler_config import EngineConfig, EnvConfig
+from alfrl.envs import EnvConfig
+from alfrl.sampler_config import EngineConfig
 from alfrl.types import RolloutProgress, RolloutStats, Sample, TrajectoryGroup
 
 log = logging.getLogger(__name__)
@@ -227,8 +228,7 @@ class RolloutDataModule(L.LightningDataModule):
             log.warning("step %d: %d of %d groups could not be played and are left out (%s)", self.step, len(failed), len(rollout.groups), failed[0].failed)
         # step 2, advantages -> samples: per-token tensors, already shifted (degenerate groups dropped)
         result = make_samples(rollout.groups, self.advantage, self.reward, self.rollout.history_length)
-        metrics = batch_metrics(rollout.groups, rollout.counters, rollout.stats.seconds, result.degenerate_groups, result.dropped_groups,
-                                speculative=self.engine_cfg.speculative_ngram_tokens > 0)
+        metrics = batch_metrics(rollout.groups, rollout.counters, rollout.stats.seconds, result.degenerate_groups, result.dropped_groups)
         metrics["rollout/engine_busy_share"] = rollout.stats.engine_seconds / max(rollout.stats.seconds, 1e-9)
         metrics["rollout/engine_steps"] = float(rollout.stats.engine_steps)
         metrics["rollout/engine_step_ms"] = 1000 * rollout.stats.engine_seconds / max(rollout.stats.engine_steps, 1)
@@ -307,8 +307,7 @@ def rollout_records(groups: list[TrajectoryGroup]) -> list[dict]:
     return [{**game_record(t), "type": "trajectory", "group": t.group_id, "index": t.index} for g in groups for t in g.trajectories]
 
 
-def batch_metrics(groups: list[TrajectoryGroup], counters: EngineCounters, seconds: float, degenerate: int, dropped: int,
-                  speculative: bool = False) -> dict[str, float]:
+def batch_metrics(groups: list[TrajectoryGroup], counters: EngineCounters, seconds: float, degenerate: int, dropped: int) -> dict[str, float]:
     metrics = rollout_metrics(groups)
     metrics["rollout/degenerate_groups"] = float(degenerate)
     metrics["rollout/dropped_groups"] = float(dropped)
@@ -316,7 +315,4 @@ def batch_metrics(groups: list[TrajectoryGroup], counters: EngineCounters, secon
     metrics["tokens/prompt"] = float(counters.prompt_tokens)
     metrics["tokens/cached_prompt"] = float(counters.cached_prompt_tokens)
     metrics["tokens/generated"] = float(counters.generated_tokens)
-    if speculative:  # how much of what the n-gram lookup proposed the policy kept (the same keys on every rank)
-        metrics["tokens/draft"] = float(counters.draft_tokens)
-        metrics["tokens/accepted_draft"] = float(counters.accepted_draft_tokens)
     return metrics

@@ -26,11 +26,8 @@ all of them.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
-import os
-import pathlib
 import time
 import zlib
 from collections.abc import Callable, Iterable, Mapping
@@ -80,18 +77,12 @@ class EngineCounters:
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0
     generated_tokens: int = 0
-    draft_tokens: int = 0
-    """Tokens proposed by speculative decoding (vLLM's n-gram lookup) for the policy to verify."""
-    accepted_draft_tokens: int = 0
-    """Of those, the ones the rejection sampler kept (each one an engine step saved for its sequence)."""
 
     def minus(self, earlier: EngineCounters) -> EngineCounters:
         return EngineCounters(
             self.prompt_tokens - earlier.prompt_tokens,
             self.cached_prompt_tokens - earlier.cached_prompt_tokens,
             self.generated_tokens - earlier.generated_tokens,
-            self.draft_tokens - earlier.draft_tokens,
-            self.accepted_draft_tokens - earlier.accepted_draft_tokens,
         )
 
 
@@ -430,67 +421,4 @@ def counters_from_metrics(metrics: Iterable) -> EngineCounters:
         prompt_tokens=int(values.get("vllm:prompt_tokens", 0)),
         cached_prompt_tokens=int(cached),
         generated_tokens=int(values.get("vllm:generation_tokens", 0)),
-        draft_tokens=int(values.get("vllm:spec_decode_num_draft_tokens", 0)),
-        accepted_draft_tokens=int(values.get("vllm:spec_decode_num_accepted_tokens", 0)),
     )
-
-
-@contextlib.contextmanager
-def cpu_threads_for_children(threads: int | None):
-    """Processes started inside (vLLM's engine core: ``data.engine.core_cpu_threads``) run torch at ``threads`` CPU threads:
-    a spawned one reads ``OMP_NUM_THREADS``, a forked one keeps this process's torch setting, so both are set here and this
-    process's come back after. None: nothing changes."""
-    if threads is None:
-        yield
-        return
-    before, before_env = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = str(threads)
-    torch.set_num_threads(threads)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-        if before_env is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
-        else:
-            os.environ["OMP_NUM_THREADS"] = before_env
-
-
-def vllm_gpu_name() -> str:
-    """This GPU's name as vLLM spells it in its tuned-config files' names (``NVIDIA_H200``); ``NO_GPU`` without one."""
-    return torch.cuda.get_device_name().replace(" ", "_").replace("-", "_") if torch.cuda.is_available() else "NO_GPU"
-
-
-LORA_DEFAULT_CHANGES_AT = 128
-"""vLLM 0.26's default LoRA shrink config changes at 128 rows (vllm/lora/ops/triton_ops/utils.py, get_lora_op_configs)."""
-
-
-def tuned_lora_folder(folder: str) -> str:
-    """``folder`` (``data.engine.lora_kernel_configs``) made absolute, after checking it has files for this GPU (vLLM itself
-    only warns and falls back to its defaults), each with configs from ``LORA_DEFAULT_CHANGES_AT`` rows up: vLLM takes a
-    step's config from the nearest row count in the file, so a file that stops at 64 rows would run every prefill step of
-    up to 2,048 tokens with a config for 64 (bench/lora_tune.py writes vLLM's defaults at 127 and 128 rows)."""
-    gpu = vllm_gpu_name()
-    names = (f"{gpu}_SHRINK.json", f"{gpu}_EXPAND_TRUE.json")
-    missing = [name for name in names if not (pathlib.Path(folder) / name).is_file()]
-    if missing:
-        raise EngineError(f"data.engine.lora_kernel_configs={folder!r} has no {' or '.join(missing)} (tuned on another GPU?): "
-                          f"tune on this one with `python bench/lora_tune.py --out {folder} ...`, or set it to null")
-    for name in names:
-        try:  # [max_loras][num_slices][rows][k][n] = config
-            tables = [by_rows for by_slices in json.loads((pathlib.Path(folder) / name).read_text()).values()
-                      for by_rows in by_slices.values()]
-            largest = min((max(int(rows) for rows in table) for table in tables), default=0)
-        except (ValueError, AttributeError, TypeError) as e:
-            raise EngineError(f"data.engine.lora_kernel_configs={folder!r}: {name} is not vLLM's tuned-config JSON "
-                              f"([max_loras][num_slices][rows][k][n]; {type(e).__name__}: {e}): write it again with "
-                              f"`python bench/lora_tune.py --out {folder} ...`, or set it to null") from None
-        if not tables:
-            raise EngineError(f"data.engine.lora_kernel_configs={folder!r}: {name} has no configs: write it again with "
-                              f"`python bench/lora_tune.py --out {folder} ...`, or set it to null")
-        if largest < LORA_DEFAULT_CHANGES_AT:
-            raise EngineError(f"data.engine.lora_kernel_configs={folder!r}: {name} has configs up to {largest} rows only, so vLLM "
-                              f"would run every larger step (prefill up to max_num_batched_tokens) with the {largest}-row one: "
-                              f"write it again with `python bench/lora_tune.py --out {folder} ...` (which adds vLLM's defaults at "
-                              f"127 and 128 rows), or set it to null")
-    return str(pathlib.Path(folder).resolve())

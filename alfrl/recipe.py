@@ -25,7 +25,8 @@ from alfrl.games import SPLITS, DataError, discover_games
 from alfrl.policy import AlfrlPolicy
 from alfrl.rewards import RewardConfig
 from alfrl.rollout import RolloutConfig
-from alfrl.sampler_config import EngineConfig, EnvConfig
+from alfrl.envs import EnvConfig
+from alfrl.sampler_config import EngineConfig
 from alfrl.sft import ExpertDataModule, SFTPolicy
 from callbacks import Checkpointing, PeriodicEval, RolloutProgressBar, SamplerWeightSync
 
@@ -328,14 +329,6 @@ class AlfrlCLI(LightningCLI):
             problems = recipe_problems(cfg, check_data=self.check_data)
             if problems:
                 raise RecipeError(problems)
-            if self.data_class is RolloutDataModule:  # before anything here initializes CUDA (the model's dtype check does)
-                from alfrl.mps import limit_this_process
-
-                try:
-                    engine = data_dict(cfg.data)["engine"]
-                    limit_this_process(engine.trainer_sm_percentage, engine.trainer_mps_priority)
-                except ValueError as e:
-                    raise RecipeError(str(e)) from None
 
     def _parse_ckpt_path(self) -> None:
         """Resolve ``--ckpt_path`` (a step folder, ``.../last`` or ``trainer.ckpt``).

@@ -11,8 +11,8 @@ runner, the weight sync with its probe, and evaluation:
     sampler.close()
 
 The DataModule makes its batches with ``rollout``, the weight-sync callback calls ``sync``, and
-``alfrl eval``, ``alfrl rollout`` and the benchmarks use the same calls. Its settings (``EngineConfig``, ``EnvConfig``)
-are in ``alfrl.sampler_config``, re-exported here.
+``alfrl eval``, ``alfrl rollout`` and the benchmarks use the same calls. Its settings: ``alfrl.sampler_config.EngineConfig``
+and ``alfrl.envs.EnvConfig``.
 """
 
 from __future__ import annotations
@@ -24,23 +24,18 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
 
 from alfrl import protocol
 from alfrl.chat import ChatFormat, chat_format
-from alfrl.engines import Engine, EngineCounters, HFEngine, cpu_threads_for_children, tuned_lora_folder
-from alfrl.envs import EnvGroup, EnvPool, PrefetchedResets
+from alfrl.engines import Engine, EngineCounters, HFEngine
+from alfrl.envs import EnvConfig, EnvGroup, EnvPool, PrefetchedResets
 from alfrl.evaluation import EvalConfig, game_record, run_eval
 from alfrl.games import Game
-from alfrl.mps import context_sm_count, full_gpu_for_children, limits as mps_limits
 from alfrl.rewards import RewardConfig
 from alfrl.rollout import RolloutConfig, RolloutRunner
-from alfrl.sampler_config import CUDAGRAPH_MODES, ENGINE_KINDS, EngineConfig, EnvConfig, auto_gdn_prefill_backend
+from alfrl.sampler_config import EngineConfig
 from alfrl.sync import WeightSync
 from alfrl.types import RolloutProgress, RolloutStats, TrajectoryGroup
-
-__all__ = ["CUDAGRAPH_MODES", "ENGINE_KINDS", "EngineConfig", "EnvConfig", "RolloutResult", "Sampler", "auto_gdn_prefill_backend"]
-
 
 @dataclass(frozen=True)
 class RolloutResult:
@@ -88,32 +83,21 @@ class Sampler:
 
             path = hf_folder_for(policy.hparams.model_name, policy.hparams.gguf_file)
             rank = int(os.environ.get("LOCAL_RANK", "0"))
-            if engine.lora_kernel_configs is not None:  # read by vLLM in its engine core (spawned with this environment)
-                os.environ["VLLM_TUNED_CONFIG_FOLDER"] = tuned_lora_folder(engine.lora_kernel_configs)
-            limited = bool(mps_limits(engine.trainer_sm_percentage, engine.trainer_mps_priority))
-            # the engine core spawned with every SM, at the normal priority, and its own CPU threads
-            with full_gpu_for_children(limited), cpu_threads_for_children(engine.core_cpu_threads):
-                sampling = VLLMEngine(
-                    path,
-                    gpu_memory_utilization=engine.gpu_memory_utilization,
-                    max_model_len=engine.max_model_len or max(rollout.max_trajectory_tokens, evaluation.max_trajectory_tokens),
-                    enable_sleep_mode=engine.sleep_mode,
-                    enforce_eager=engine.enforce_eager,
-                    enable_prefix_caching=engine.prefix_caching,
-                    dtype="bfloat16",
-                    seed=seed + rank,
-                    lora_rank=policy.lora.rank if engine.weight_sync == "lora" else None,
-                    extra=engine.vllm_extra(path),
-                    stop_strings=bool(rollout.stop_strings),  # evaluation's rollouts take the training ones' stop strings
-                    high_priority_stream=engine.high_priority_stream,
-                    separate_process=engine.separate_process,
-                    batch_invariant=deterministic,
-                )
-            if limited and torch.cuda.is_available():
-                # not "of the GPU's N": under an MPS limit the device reports the limited count to this process too
-                print(f"alfrl: CUDA MPS: this process may use {context_sm_count()} SMs (trainer_sm_percentage "
-                      f"{engine.trainer_sm_percentage}) at priority {engine.trainer_mps_priority}; vLLM's engine core "
-                      "every SM at normal", flush=True)
+            sampling = VLLMEngine(
+                path,
+                gpu_memory_utilization=engine.gpu_memory_utilization,
+                max_model_len=engine.max_model_len or max(rollout.max_trajectory_tokens, evaluation.max_trajectory_tokens),
+                enable_sleep_mode=engine.sleep_mode,
+                enforce_eager=engine.enforce_eager,
+                enable_prefix_caching=engine.prefix_caching,
+                dtype="bfloat16",
+                seed=seed + rank,
+                lora_rank=policy.lora.rank if engine.weight_sync == "lora" else None,
+                extra=engine.vllm_extra(path),
+                stop_strings=bool(rollout.stop_strings),  # evaluation's rollouts take the training ones' stop strings
+                separate_process=engine.separate_process,
+                batch_invariant=deterministic,
+            )
         pool = env.make_pool() if with_pool else None
         return cls(sampling, pool, fmt, rollout, reward, evaluation, engine)
 

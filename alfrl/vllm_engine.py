@@ -131,13 +131,12 @@ class VLLMEngine:
         lora_rank: int | None = None,
         extra: dict | None = None,
         stop_strings: bool = False,
-        high_priority_stream: bool = False,
         separate_process: bool = False,
         batch_invariant: bool = False,
     ):
-        if separate_process and (enable_sleep_mode or high_priority_stream):
-            raise EngineError("a vLLM engine in a separate process takes no sleep mode and no high-priority stream (both act on "
-                              "this process's GPU memory and streams): set data.engine.separate_process: false or turn them off")
+        if separate_process and enable_sleep_mode:
+            raise EngineError("a vLLM engine in a separate process takes no sleep mode (it acts on this process's GPU memory): "
+                              "set data.engine.separate_process: false or data.engine.sleep_mode: false")
         self.separate_process = separate_process
         self.guard_trainer_memory = not separate_process  # a core in this process allocates in the trainer's CUDA context
         # the engine core in this process (0), or in one vLLM spawns (1; spawned, never forked: this process has CUDA and threads)
@@ -196,12 +195,6 @@ class VLLMEngine:
                                   "lower it or set data.engine.weight_sync: merged")
             kwargs.update(enable_lora=True, max_lora_rank=fitting[0], max_loras=1, max_cpu_loras=2)
         self.stop_strings = stop_strings  # requests stop on their stop strings in the engine (its tokenizer loaded)
-        if high_priority_stream:
-            # vLLM runs (and replays its graphs) on this thread's current stream, tracked through its patched torch.cuda.set_stream
-            # (vllm.utils.torch_utils): set before the engine exists, it is the engine's. Out-of-range priorities map to the highest.
-            import vllm.utils.torch_utils  # noqa: F401  (the patch)
-
-            torch.cuda.set_stream(torch.cuda.Stream(priority=-100))
         self.llm = vllm.LLM(
             model=model_path,
             skip_tokenizer_init=not stop_strings,

@@ -26,7 +26,7 @@ timed() {  # timed NAME CMD...: the command's output in logs/NAME.log, its rc an
   echo "$name rc=$rc seconds=$(( $(date +%s) - s ))" >> "$W/results/times.txt"; log "$name rc=$rc"; return $rc
 }
 if [ "$DRY" = 1 ]; then
-  PY=${PY:-$REPO/.venv/bin/python}; export ALFWORLD_DATA=${ALFWORLD_DATA_DRY:-$REPO/.cache/alfworld}
+  PY=${PY:-$REPO/.venv/bin/python}; export ALFWORLD_DATA=${ALFWORLD_DATA_DRY:-$REPO/.cache/alfworld} PYTHONPATH=$REPO
   TINY=${ALFRL_TINY_MODEL:-$REPO/.cache/tiny-model}
   RL=recipes/tiny.yaml; SFT=recipes/sft_tiny.yaml; MODEL=(--model.model_name "$TINY")
   SFT_ARGS=(--trainer.max_steps 2 --trainer.accelerator cpu); EXPERT=$REPO/runs/tiny-expert.jsonl
@@ -92,9 +92,11 @@ case "${1:-}" in
       *gpu-data*) mkdir -p /tmp/gpu-data && cp -r "$2"/. /tmp/gpu-data/ ;;
       *) echo "stage: give .gpu-kit/cNN, .gpu-model/mNN or .gpu-data" >&2; exit 2 ;;
     esac && log "staged $2" ;;
-  start)
-    cp "$0" "$W/lease.sh"
-    ALFRL_REPO=$REPO ALFRL_GPU_WORK=$W LANE=$LANE DRY=$DRY setsid nohup bash "$W/lease.sh" _run > "$W/logs/job.log" 2>&1 < /dev/null &
+  start)  # the job runs from a copy of the checkout: a later call's checkout (edited meanwhile) does not reach it
+    rm -rf "$W/repo" && mkdir -p "$W/repo" && tar -c --exclude=./.git --exclude='./.gpu-*' --exclude=./.venv --exclude=./.cache \
+      --exclude=./runs . | tar -x -C "$W/repo" && cp "$0" "$W/lease.sh" || exit 1
+    [ "$DRY" = 1 ] && ln -s "$REPO/.venv" "$W/repo/.venv"
+    ALFRL_REPO=$W/repo ALFRL_GPU_WORK=$W LANE=$LANE DRY=$DRY setsid nohup bash "$W/lease.sh" _run > "$W/logs/job.log" 2>&1 < /dev/null &
     log "started $LANE" ;;
   _run)
     { setup && "$LANE"; } ; touch "$W/done"; log "done" ;;

@@ -171,8 +171,7 @@ def on_vllm(engine, run, reset_prefix_cache: bool, served: bool = False) -> dict
     c = engine.counters().minus(before)
     out.pop("order")
     return {**out, "adapter_served": lora is not None, "prompt_tokens": c.prompt_tokens, "cached_prompt_tokens": c.cached_prompt_tokens,
-            "prefix_cache_share": c.cached_prompt_tokens / max(c.prompt_tokens, 1),
-            "draft_tokens": c.draft_tokens, "accepted_draft_tokens": c.accepted_draft_tokens}
+            "prefix_cache_share": c.cached_prompt_tokens / max(c.prompt_tokens, 1)}
 
 
 def vllm_replay(engine, trajectories, served: bool = True) -> dict:

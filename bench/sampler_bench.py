@@ -35,8 +35,7 @@ Phases (figures into one JSON; each phase's errors are recorded, the others stil
   LoRA costs per engine step where a rollout's tail runs (a few rows) and where its bulk does.
 - pushes: a fit's weight sync (the adapter gathered, written, loaded by the engine, probed) alone and right after the
   next rollout's resets were submitted (``Sampler.prefetch``: every worker resetting, as in a fit's prefetched window),
-  alternating, ``--pushes`` of each: where a fit's adapter loads ran long (bench/leases/2026-12-04i.md); run it with
-  and without ``--data.engine.core_cpu_threads 1`` or ``--data.env.nice 10`` for the side by side.
+  alternating, ``--pushes`` of each: where a fit's adapter loads ran long (bench/leases/2026-12-04i.md).
 
 ``--dry`` runs the phases that need no vLLM on the CPU with the recipe's HF engine (tiny model).
 """
@@ -74,7 +73,6 @@ def rollout_figures(result, seconds: float) -> dict:
             **{k.split("/")[1]: v for k, v in result.stats.tail_output_figures().items()},
             "generated_tokens": result.counters.generated_tokens, "generated_tokens_per_second": result.counters.generated_tokens / seconds,
             "prompt_tokens": result.counters.prompt_tokens, "cached_prompt_tokens": result.counters.cached_prompt_tokens,
-            "draft_tokens": result.counters.draft_tokens, "accepted_draft_tokens": result.counters.accepted_draft_tokens,
             "trajectories": len(trajs), "turns": sum(t.steps for t in trajs), "wins": sum(t.won for t in trajs),
             # the tail: when the trajectories ended (seconds after the start), and the sampled tokens of each
             "ended_seconds": quantiles(result.stats.trajectory_end_seconds),

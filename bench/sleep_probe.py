@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from alfrl.sampler import EngineConfig
+    from alfrl.sampler_config import EngineConfig
 
     t0 = time.perf_counter()
     rng = random.Random(0)

@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="where the JSON goes (rewritten after every phase)")
     parser.add_argument("--eager", action="store_true", help="no torch.compile, no CUDA graphs (the control)")
     parser.add_argument("--cudagraph-mode", default=None, help="data.engine.cudagraph_mode (none, piecewise, full, ...; default vLLM's)")
-    parser.add_argument("--no-compile", action="store_true", help="data.engine.torch_compile false (with --cudagraph-mode "
+    parser.add_argument("--no-compile", action="store_true", help="vLLM without torch.compile (compilation_config.mode 0, with --cudagraph-mode "
                         "full_decode_only: graphs of the uncompiled model)")
     parser.add_argument("--no-sleep-mode", action="store_true", help="start the engine without sleep mode (no cumem pools)")
     parser.add_argument("--decode", type=int, default=32, help="tokens each of 16 sequences decodes before the probe (0: none)")
@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from alfrl.engines import SamplingRequest
     from alfrl.models import read_config
-    from alfrl.sampler import EngineConfig
+    from alfrl.sampler_config import EngineConfig
 
     t0 = time.perf_counter()
     result: dict = {"model": args.model, "eager": args.eager, "cudagraph_mode": args.cudagraph_mode, "torch_compile": not args.no_compile,
@@ -210,7 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         from alfrl.vllm_engine import VLLMEngine
 
-        settings = EngineConfig(kind="vllm", cudagraph_mode=args.cudagraph_mode, torch_compile=False if args.no_compile else None)
+        settings = EngineConfig(kind="vllm", cudagraph_mode=args.cudagraph_mode,
+                                vllm_args={"compilation_config": {"mode": 0}} if args.no_compile else None)
         if settings.problems():
             raise SystemExit("; ".join(settings.problems()))
         engine = VLLMEngine(args.model, gpu_memory_utilization=0.5, max_model_len=4096, enable_sleep_mode=not args.no_sleep_mode,

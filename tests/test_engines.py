@@ -85,16 +85,11 @@ def test_vllm_counters_read_cached_prompt_tokens_not_cache_queries():
     assert (c.prompt_tokens, c.cached_prompt_tokens, c.generated_tokens) == (16469304, 15979696, 265550)
     older = [M(name="vllm:prompt_tokens", value=100), M(name="vllm:prefix_cache_hits", value=60)]
     assert counters_from_metrics(older).cached_prompt_tokens == 60
-    assert (c.draft_tokens, c.accepted_draft_tokens) == (0, 0)  # no speculative decoding: vLLM has no such counters
-    spec = counters_from_metrics(seen + [M(name="vllm:spec_decode_num_drafts", value=7),
-                                         M(name="vllm:spec_decode_num_draft_tokens", value=400),
-                                         M(name="vllm:spec_decode_num_accepted_tokens", value=123)])
-    assert (spec.draft_tokens, spec.accepted_draft_tokens) == (400, 123)
-    assert spec.minus(c).accepted_draft_tokens == 123 and spec.minus(spec).draft_tokens == 0
+    assert c.minus(counters_from_metrics(older)).prompt_tokens == 16469304 - 100
 
 
 def test_a_fixed_kv_cache_size_reaches_vllm_and_is_checked(tiny_model_dir):
-    from alfrl.sampler import EngineConfig
+    from alfrl.sampler_config import EngineConfig
 
     assert EngineConfig(kind="vllm", kv_cache_gib=20).vllm_extra(tiny_model_dir) == {"kv_cache_memory_bytes": 20 * 2**30}
     assert "kv_cache_memory_bytes" not in EngineConfig(kind="vllm").vllm_extra(tiny_model_dir)
@@ -102,7 +97,7 @@ def test_a_fixed_kv_cache_size_reaches_vllm_and_is_checked(tiny_model_dir):
 
 
 def test_the_cuda_graph_size_reaches_vllm_and_is_checked(tiny_model_dir):
-    from alfrl.sampler import EngineConfig
+    from alfrl.sampler_config import EngineConfig
 
     extra = EngineConfig(kind="vllm", cudagraph_max_tokens=2048).vllm_extra(tiny_model_dir)
     assert extra == {"compilation_config": {"max_cudagraph_capture_size": 2048}}
@@ -110,40 +105,18 @@ def test_the_cuda_graph_size_reaches_vllm_and_is_checked(tiny_model_dir):
     assert EngineConfig(cudagraph_max_tokens=0).problems() == ["data.engine.cudagraph_max_tokens=0 must be >= 1 (or null for vLLM's default)"]
     both = EngineConfig(kind="vllm", cudagraph_max_tokens=2048, cudagraph_mode="piecewise").vllm_extra(tiny_model_dir)
     assert both == {"compilation_config": {"max_cudagraph_capture_size": 2048, "cudagraph_mode": "PIECEWISE"}}
-    # torch.compile off: graphs of the uncompiled model (full ones only), or on without graphs
-    assert EngineConfig(kind="vllm", torch_compile=False, cudagraph_mode="full_decode_only").vllm_extra(tiny_model_dir) == {
-        "compilation_config": {"cudagraph_mode": "FULL_DECODE_ONLY", "mode": 0}}
-    assert EngineConfig(kind="vllm", torch_compile=True, cudagraph_mode="none").vllm_extra(tiny_model_dir) == {
-        "compilation_config": {"cudagraph_mode": "NONE"}}
-    assert EngineConfig(kind="vllm", cudagraph_specialize_lora=False).vllm_extra(tiny_model_dir) == {
-        "compilation_config": {"cudagraph_specialize_lora": False}}
-    assert EngineConfig(torch_compile=True, enforce_eager=True).problems() == [
-        "data.engine.torch_compile=true contradicts data.engine.enforce_eager=true (eager turns torch.compile off): set one of them"]
-    assert EngineConfig(torch_compile=False, cudagraph_mode="piecewise").problems() == [
-        "data.engine.cudagraph_mode='piecewise' needs torch.compile (its pieces are the compiled graph's): "
-        "with data.engine.torch_compile=false use full_decode_only, full or none"]
-    # async scheduling: vLLM's unless set, either way
-    assert "async_scheduling" not in EngineConfig(kind="vllm").vllm_extra(tiny_model_dir)
-    assert EngineConfig(kind="vllm", async_scheduling=False).vllm_extra(tiny_model_dir) == {"async_scheduling": False}
-    assert EngineConfig(kind="vllm", async_scheduling=True).vllm_extra(tiny_model_dir) == {"async_scheduling": True}
+    # what no key covers goes to vllm.LLM as given; a compilation_config merges into the one the keys make
+    passed = EngineConfig(kind="vllm", cudagraph_mode="full", vllm_args={"async_scheduling": False,
+                                                                         "compilation_config": {"cudagraph_specialize_lora": False}})
+    assert passed.vllm_extra(tiny_model_dir) == {"async_scheduling": False,
+                                                 "compilation_config": {"cudagraph_mode": "FULL", "cudagraph_specialize_lora": False}}
+    assert passed.problems() == []
+    assert EngineConfig(vllm_args={"seed": 3, "enforce_eager": True}).problems() == [
+        "data.engine.vllm_args sets enforce_eager, seed, which alfrl sets itself: use data.engine.enforce_eager, data.seed instead"]
+    assert EngineConfig(vllm_args={"compilation_config": 3}).problems() == [
+        "data.engine.vllm_args.compilation_config must be a mapping (vLLM's CompilationConfig fields)"]
     assert EngineConfig(cudagraph_mode="fast").problems() == [
         "data.engine.cudagraph_mode='fast' is not one of none, piecewise, full, full_decode_only, full_and_piecewise (or null for vLLM's)"]
-
-
-def test_speculative_decoding_reaches_vllm_and_is_checked(tiny_model_dir):
-    from alfrl.sampler import EngineConfig
-
-    assert "speculative_config" not in EngineConfig(kind="vllm").vllm_extra(tiny_model_dir)  # off by default
-    extra = EngineConfig(kind="vllm", speculative_ngram_tokens=4, speculative_ngram_min=3).vllm_extra(tiny_model_dir)
-    assert extra == {"speculative_config": {"method": "ngram_gpu", "num_speculative_tokens": 4,
-                                            "prompt_lookup_min": 3, "prompt_lookup_max": 5}}
-    assert EngineConfig(kind="vllm", speculative_ngram_tokens=4).problems() == []
-    assert EngineConfig(speculative_ngram_tokens=4).problems() == [
-        "data.engine.speculative_ngram_tokens=4 needs data.engine.kind: vllm (the hf engine does not speculate): set it to 0"]
-    assert EngineConfig(kind="vllm", speculative_ngram_tokens=-1).problems() == [
-        "data.engine.speculative_ngram_tokens=-1 must be >= 0 (0: no speculative decoding)"]
-    assert EngineConfig(kind="vllm", speculative_ngram_min=6).problems() == [
-        "data.engine.speculative_ngram_min=6 and speculative_ngram_max=5 must satisfy 1 <= min <= max"]
 
 
 def test_a_nan_after_a_wake_up_names_the_settings_that_broke_it_before():
@@ -435,7 +408,9 @@ def test_the_recipes_vllm_settings_reach_the_engine(monkeypatch, tiny_model_dir)
     from alfrl.ppo import LoRAConfig
     from alfrl.rewards import RewardConfig
     from alfrl.rollout import RolloutConfig
-    from alfrl.sampler import EngineConfig, EnvConfig, Sampler
+    from alfrl.envs import EnvConfig
+    from alfrl.sampler import Sampler
+    from alfrl.sampler_config import EngineConfig
 
     seen = {}
     stand_in = ModuleType("alfrl.vllm_engine")

@@ -145,23 +145,3 @@ def test_closing_leaves_no_child_processes(valid_games):
             os.kill(pid, 0)
     children = subprocess.run(["ps", "-o", "pid=", "--ppid", str(os.getpid())], capture_output=True, text=True).stdout.split()
     assert not set(map(int, children)) & set(pids)
-
-
-def test_workers_run_at_the_niceness_asked_restarted_ones_too(valid_games):
-    own = os.getpriority(os.PRIO_PROCESS, 0)
-    want = min(19, own + 3)
-    with EnvPool(num_workers=1, nice=3) as pool:
-        group = EnvGroup.create(pool, valid_games[0], 1)
-        group.reset()
-        pid = pool.worker_pid_of(group.env_ids[0])
-        assert os.getpriority(os.PRIO_PROCESS, pid) == want
-        os.kill(pid, signal.SIGKILL)
-        (result,) = group.step(["look"])  # the step on the dead worker fails and the worker is restarted
-        assert isinstance(result, EnvFailure)
-        assert pool.restarts == 1 and pool.worker_pid_of(group.env_ids[0]) != pid
-        EnvGroup.create(pool, valid_games[0], 1).reset()  # served by the new worker: it has started
-        assert os.getpriority(os.PRIO_PROCESS, pool.worker_pid_of(group.env_ids[0])) == want
-    with EnvPool(num_workers=1) as pool:
-        group = EnvGroup.create(pool, valid_games[0], 1)
-        group.reset()
-        assert os.getpriority(os.PRIO_PROCESS, pool.worker_pids()[0]) == own

@@ -209,14 +209,12 @@ def test_max_live_games_starts_the_next_game_when_one_ends(valid_games, fmt):
     assert RolloutConfig(max_live_games=-1).problems() == ["data.rollout.max_live_games=-1 must be >= 0 (0: every game at once)"]
 
 
-def test_the_workers_niceness_is_checked():
-    from alfrl.sampler import EnvConfig
+def test_the_pool_is_made_from_its_settings():
+    from alfrl.envs import EnvConfig
 
-    assert EnvConfig(nice=19).problems() == []
-    for bad in (-1, 20):
-        assert EnvConfig(nice=bad).problems() == [f"data.env.nice={bad} must be 0-19 (0: the workers at the trainer's own CPU priority)"]
-    with EnvConfig(num_workers=1, step_timeout=7, nice=2).make_pool() as pool:  # the one place a config becomes a pool
-        assert (pool.num_workers, pool.step_timeout, pool.nice) == (1, 7, 2)
+    with EnvConfig(num_workers=1, step_timeout=7, reset_timeout=9).make_pool() as pool:  # the one place a config becomes a pool
+        assert (pool.num_workers, pool.step_timeout, pool.reset_timeout) == (1, 7, 9)
+    assert EnvConfig(num_workers=0).problems() == ["data.env.num_workers=0 must be >= 1 (or null for the CPU count)"]
 
 
 def test_each_finished_group_is_handed_over_with_its_index_while_the_rollout_plays(valid_games, fmt):
@@ -298,7 +296,8 @@ def test_prefetched_resets_are_played_by_the_next_rollout_of_those_games_and_dro
     """Sampler.prefetch: the next step's resets run before its rollout (the same trajectories, no reset in the rollout);
     a rollout of other games or an evaluation first collects them and releases their environments."""
     from alfrl.evaluation import EvalConfig
-    from alfrl.sampler import EngineConfig, Sampler
+    from alfrl.sampler import Sampler
+    from alfrl.sampler_config import EngineConfig
 
     games = [g for g in valid_games if g.id == GAME] + [g for g in valid_games if g.id != GAME][:1]
     cfg = RolloutConfig(max_episode_steps=3, max_trajectory_tokens=20000, max_assistant_tokens=200)
@@ -338,7 +337,8 @@ def test_prefetched_resets_are_played_by_the_next_rollout_of_those_games_and_dro
 
 def test_a_max_live_games_rollout_is_not_prefetched(valid_games, fmt):
     from alfrl.evaluation import EvalConfig
-    from alfrl.sampler import EngineConfig, Sampler
+    from alfrl.sampler import Sampler
+    from alfrl.sampler_config import EngineConfig
 
     cfg = RolloutConfig(max_episode_steps=2, max_trajectory_tokens=20000, max_assistant_tokens=200, max_live_games=1)
     with EnvPool(num_workers=2, step_timeout=30) as pool:
@@ -353,7 +353,9 @@ def test_each_training_batch_prefetches_the_next_steps_resets(valid_games, fmt):
 
     from alfrl.datamodule import RolloutDataModule
     from alfrl.evaluation import EvalConfig
-    from alfrl.sampler import EngineConfig, EnvConfig, Sampler
+    from alfrl.envs import EnvConfig
+    from alfrl.sampler import Sampler
+    from alfrl.sampler_config import EngineConfig
 
     cfg = RolloutConfig(max_episode_steps=2, max_trajectory_tokens=20000, max_assistant_tokens=200)
     for prefetch in (True, False):
@@ -376,64 +378,6 @@ def test_each_training_batch_prefetches_the_next_steps_resets(valid_games, fmt):
             rollout_kinds = kinds[:-4] if prefetch else kinds  # with a prefetch, the next one's 4 resets come last
             assert rollout_kinds.count("reset") == (0 if prefetch else 4) and set(kinds[-4:]) == {"reset" if prefetch else "step"}
             dm.sampler.close()
-
-
-def test_tuned_lora_kernel_configs_are_checked_and_reach_the_engine_core(monkeypatch, tmp_path, tiny_model_dir):
-    """data.engine.lora_kernel_configs: a folder bench/lora_tune.py wrote, for the vLLM engine serving the LoRA; Sampler.build
-    names it to vLLM (VLLM_TUNED_CONFIG_FOLDER, which its engine core inherits) only if it has this GPU's files."""
-    import sys
-    from types import ModuleType
-
-    import alfrl.engines
-    from alfrl.engines import EngineError
-    from alfrl.evaluation import EvalConfig
-    from alfrl.policy import AlfrlPolicy
-    from alfrl.ppo import LoRAConfig
-    from alfrl.sampler import EngineConfig, EnvConfig, Sampler
-
-    folder = tmp_path / "lora-configs"
-    folder.mkdir()
-    (folder / "NVIDIA_H200_SHRINK.json").write_text("{}")
-    fix = "`python bench/lora_tune.py --out` writes them): fix it, or set it to null"
-    assert EngineConfig(kind="vllm", lora_kernel_configs=str(folder)).problems() == [
-        f"data.engine.lora_kernel_configs={str(folder)!r} needs data.engine.kind: vllm, data.engine.weight_sync: lora and a folder "
-        f"with *_EXPAND_TRUE.json ({fix}"]
-    (folder / "NVIDIA_H200_EXPAND_TRUE.json").write_text("{}")
-    engine = EngineConfig(kind="vllm", lora_kernel_configs=str(folder))
-    assert engine.problems() == []
-    assert len(EngineConfig(kind="vllm", weight_sync="merged", lora_kernel_configs=str(folder)).problems()) == 1
-    assert EngineConfig(lora_kernel_configs=str(folder)).problems() == [  # the hf engine runs no Triton LoRA kernels
-        f"data.engine.lora_kernel_configs={str(folder)!r} needs data.engine.kind: vllm, data.engine.weight_sync: lora and a folder "
-        f"with its files ({fix}"]
-
-    stand_in = ModuleType("alfrl.vllm_engine")
-    stand_in.VLLMEngine = lambda path, **kwargs: object()
-    monkeypatch.setitem(sys.modules, "alfrl.vllm_engine", stand_in)
-    monkeypatch.setenv("VLLM_TUNED_CONFIG_FOLDER", "the environment's")  # restored after the test
-    policy = AlfrlPolicy(model_name=tiny_model_dir, dtype="float32", lora=LoRAConfig(rank=8, alpha=16))
-    build = lambda: Sampler.build(policy, RolloutConfig(), RewardConfig(), engine, EnvConfig(), EvalConfig(), with_pool=False)  # noqa: E731
-    monkeypatch.setattr(alfrl.engines, "vllm_gpu_name", lambda: "NVIDIA_A100_SXM4_80GB")
-    with pytest.raises(EngineError, match=r"has no NVIDIA_A100_SXM4_80GB_SHRINK.json or NVIDIA_A100_SXM4_80GB_EXPAND_TRUE.json "
-                                          r"\(tuned on another GPU\?\): tune on this one with `python bench/lora_tune.py --out"):
-        build()
-    assert os.environ["VLLM_TUNED_CONFIG_FOLDER"] == "the environment's"
-    monkeypatch.setattr(alfrl.engines, "vllm_gpu_name", lambda: "NVIDIA_H200")
-    table = lambda *rows: json.dumps({"2": {"1": {str(m): {"1536": {"32": {}}} for m in rows}}})  # noqa: E731 - [max_loras][slices][rows][k][n]
-    (folder / "NVIDIA_H200_SHRINK.json").write_text(table(1, 16, 64))
-    (folder / "NVIDIA_H200_EXPAND_TRUE.json").write_text(table(1, 128))
-    with pytest.raises(EngineError, match=r"NVIDIA_H200_SHRINK.json has configs up to 64 rows only, so vLLM would run every larger "
-                                          r"step \(prefill up to max_num_batched_tokens\) with the 64-row one"):
-        build()  # vLLM takes the nearest row count's config: a 2,048-token prefill step would run the 64-row one
-    (folder / "NVIDIA_H200_SHRINK.json").write_text("{}")
-    with pytest.raises(EngineError, match=r"NVIDIA_H200_SHRINK.json has no configs: write it again"):
-        build()  # vLLM would quietly run its defaults (an empty file reads as none)
-    (folder / "NVIDIA_H200_SHRINK.json").write_text("[1, 2]")
-    with pytest.raises(EngineError, match=r"NVIDIA_H200_SHRINK.json is not vLLM's tuned-config JSON"):
-        build()
-    assert os.environ["VLLM_TUNED_CONFIG_FOLDER"] == "the environment's"
-    (folder / "NVIDIA_H200_SHRINK.json").write_text(table(1, 16, 64, 127, 128))
-    build()
-    assert os.environ["VLLM_TUNED_CONFIG_FOLDER"] == str(folder.resolve())
 
 
 def test_sampler_benchs_rollout_figures_survive_a_failed_ceiling(tmp_path, data_dir, tiny_model_dir):

@@ -74,7 +74,7 @@ def test_the_engine_settings_of_a_gdn_checkpoint_pick_a_prefill_kernel_that_is_i
     import types
 
     from alfrl import sampler
-    from alfrl.sampler import EngineConfig, auto_gdn_prefill_backend
+    from alfrl.sampler_config import EngineConfig, auto_gdn_prefill_backend
 
     extra = EngineConfig(kind="vllm").vllm_extra(qwen35_small_dir)
     assert extra["language_model_only"] is True

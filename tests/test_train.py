@@ -88,19 +88,6 @@ def test_make_train_runs_the_tiny_recipe(tmp_path, data_dir, tiny_model_dir):
     assert fit_table.truncated(0.29, 2) == "0.29" and fit_table.truncated(26.9629, 3) == "26.962" and fit_table.truncated(51622.0, 0) == "51,622"
 
 
-def test_speculative_decoding_counts_are_logged_exactly_when_it_is_on():
-    """Every rank logs the same keys (DDP sums them): the draft counts follow the setting, not whether a draft was made."""
-    from alfrl.datamodule import batch_metrics
-    from alfrl.engines import EngineCounters
-
-    counters = EngineCounters(prompt_tokens=10, cached_prompt_tokens=5, generated_tokens=30, draft_tokens=0, accepted_draft_tokens=0)
-    on = batch_metrics([], counters, 1.0, 0, 0, speculative=True)
-    assert (on["tokens/draft"], on["tokens/accepted_draft"]) == (0.0, 0.0)
-    assert "tokens/draft" not in batch_metrics([], counters, 1.0, 0, 0)
-    spec = EngineCounters(10, 5, 30, draft_tokens=40, accepted_draft_tokens=12)
-    assert batch_metrics([], spec, 1.0, 0, 0, speculative=True)["tokens/accepted_draft"] == 12.0
-
-
 def _fit(root: Path, data_dir: str, model: str, *extra: str, logger: bool = False) -> None:
     cmd = [sys.executable, "-m", "alfrl.cli", "fit", "--config", "recipes/tiny.yaml", "--trainer.default_root_dir", str(root),
            "--model.model_name", model, *(() if logger else ("--trainer.logger", "false")), *extra]

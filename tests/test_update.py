@@ -175,7 +175,9 @@ def test_the_step_phase_plays_on_the_hf_engine_through_its_submit_and_step(rando
     from alfrl.evaluation import EvalConfig
     from alfrl.rewards import RewardConfig
     from alfrl.rollout import RolloutConfig
-    from alfrl.sampler import EngineConfig, EnvConfig, Sampler
+    from alfrl.envs import EnvConfig
+    from alfrl.sampler import Sampler
+    from alfrl.sampler_config import EngineConfig
     from tests.helpers import load_bench
 
     sr = load_bench("step_replay")

@@ -3,32 +3,6 @@
 import torch
 
 
-def test_a_high_priority_stream_is_the_threads_current_stream_before_the_engine_starts(monkeypatch):
-    """data.engine.high_priority_stream: vLLM takes the thread's current stream for its steps and graphs, so it is set first."""
-    import sys
-    from types import ModuleType
-
-    from alfrl.sampler import EngineConfig
-    from alfrl.vllm_engine import VLLMEngine
-
-    events = []
-    vllm = ModuleType("vllm")
-    vllm.LLM = lambda **kw: events.append("LLM") or _llm()
-    for name, mod in (("vllm", vllm), ("vllm.utils", ModuleType("vllm.utils")), ("vllm.utils.torch_utils", ModuleType("vllm.utils.torch_utils")),
-                      ("vllm.envs", _stand_in_envs())):
-        monkeypatch.setitem(sys.modules, name, mod)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "Stream", lambda priority=0: ("stream", priority))
-    monkeypatch.setattr(torch.cuda, "set_stream", events.append)
-    VLLMEngine("a-model", high_priority_stream=True)
-    assert events == [("stream", -100), "LLM"]  # out of range: the device's highest priority
-    events.clear()
-    VLLMEngine("a-model")
-    assert events == ["LLM"]
-    assert EngineConfig(high_priority_stream=True).problems() == [
-        "data.engine.high_priority_stream=true needs data.engine.kind: vllm (the hf engine runs no stream of its own): set it to false"]
-
-
 def _stand_in_envs():
     """A stand-in ``vllm.envs``: each variable read from the environment when asked, as vLLM's module does."""
     import os
@@ -103,9 +77,8 @@ def test_a_separate_process_engine_is_spawned_by_vllm_and_an_inline_one_is_not(m
     assert seen == [("0", None), ("1", "spawn")]
     # only a core in this process allocates in the trainer's CUDA context: the training step's memory guard is for it alone
     assert (inline.guard_trainer_memory, separate.guard_trainer_memory) == (True, False)
-    for bad in (dict(enable_sleep_mode=True), dict(high_priority_stream=True)):
-        with pytest.raises(EngineError, match="separate process takes no sleep mode"):
-            VLLMEngine("a-model", separate_process=True, **bad)
+    with pytest.raises(EngineError, match="separate process takes no sleep mode"):
+        VLLMEngine("a-model", separate_process=True, enable_sleep_mode=True)
 
 
 def test_a_deterministic_engine_starts_vllm_batch_invariant_wherever_its_core_runs(monkeypatch):
@@ -240,12 +213,12 @@ def test_an_adapter_reaches_a_separate_engine_as_a_peft_folder_and_only_the_serv
 
 
 def test_a_separate_engine_process_needs_what_it_can_take():
-    from alfrl.sampler import EngineConfig
+    from alfrl.sampler_config import EngineConfig
 
     assert EngineConfig(kind="vllm", separate_process=True).problems() == []
     assert EngineConfig(kind="vllm", separate_process=True, weight_sync="merged", sleep_mode=True).problems() == [
         "data.engine.separate_process=true needs data.engine.weight_sync: lora, data.engine.sleep_mode: false (the engine's "
-        "model, memory and streams are in its own process): change those, or set it to false"]
+        "model and memory are in its own process): change those, or set it to false"]
     assert EngineConfig(separate_process=True).problems()[0].startswith("data.engine.separate_process=true needs data.engine.kind: vllm")
 
 
@@ -312,45 +285,3 @@ def test_a_dead_engine_core_process_stops_the_run_with_one_line_that_says_what_t
     monkeypatch.setattr(LLMEngine, "step", fails)
     with pytest.raises(ValueError, match="not a dead core"):  # anything else goes through as it was
         engine.step()
-
-
-def test_the_lora_tuner_searches_the_qwen_layers_kernel_shapes_and_writes_vllms_config_folder(tmp_path, monkeypatch):
-    """bench/lora_tune.py without a GPU: the 1.5B model's LoRA kernels under vLLM's lookup keys, the coordinate search,
-    and the two files vLLM reads from VLLM_TUNED_CONFIG_FOLDER ([max_loras][num_slices][m][k][n], the defaults in a dry run)."""
-    import json
-    import math
-    from pathlib import Path
-
-    from tests.helpers import load_bench
-
-    tune = load_bench("lora_tune")
-    config = Path(__file__).parents[1] / "bench" / "results" / "2026-12-04d" / "model_config.json"  # Qwen2.5-Coder-1.5B's
-    shapes = tune.layer_shapes(json.loads(config.read_text()))
-    assert shapes["qkv_proj"] == {"slices": (1536, 256, 256), "in": 1536} and shapes["down_proj"] == {"slices": (1536,), "in": 8960}
-    keys = tune.kernel_keys(shapes, 32)
-    assert keys[("expand", 1, 32, 1536)] == ["o_proj", "down_proj"]  # one expand shape, two projections
-    assert keys[("shrink", 1, 8960, 32)] == ["down_proj"] and keys[("expand", 2, 32, 8960)] == ["gate_up_proj"]
-    assert len(keys) == 7
-
-    def cost(cfg):  # separable, lowest at block_k 64, split_k 4; num_stages 1 fails to build
-        return math.inf if cfg["num_stages"] == 1 else abs(cfg["block_k"] - 64) + abs(cfg["split_k"] - 4) + cfg["num_warps"]
-
-    best, best_cost = tune.coordinate_search(tune.default_config("shrink", 1, 3), tune.SEARCH["shrink"], cost)
-    assert (best["block_k"], best["split_k"], best["num_warps"], best_cost) == (64, 4, 1, 1) and best["num_stages"] != 1
-
-    default, previous = tune.default_config("shrink", 1, 3), {**tune.default_config("shrink", 1, 3), "block_k": 64, "split_k": 4}
-    assert tune.starting_point(default, previous, cost) == (previous, cost(previous), cost(default))  # the last row count's best
-    assert tune.starting_point(previous, default, cost)[0] == previous  # not where it costs more
-    assert tune.starting_point(default, None, cost) == (default, cost(default), cost(default))
-
-    tune.main(["--model-config", str(config), "--rank", "32", "--out", str(tmp_path / "cfg"), "--rows", "1", "64", "--dry"])
-    shrink = json.loads((tmp_path / "cfg" / "NVIDIA_H200_SHRINK.json").read_text())
-    expand = json.loads((tmp_path / "cfg" / "NVIDIA_H200_EXPAND_TRUE.json").read_text())
-    assert shrink["2"]["3"]["1"]["1536"]["32"] == tune.default_config("shrink", 1, 3)
-    assert sorted(expand["2"]["1"], key=int) == ["1", "64", "127", "128"] and expand["2"]["2"]["64"]["32"]["8960"]["block_n"] == 64
-    # vLLM's defaults at 127 and 128 rows (its shrink default changes there): no step of more rows runs the 64-row config
-    assert (shrink["2"]["3"]["127"]["1536"]["32"]["split_k"], shrink["2"]["3"]["128"]["1536"]["32"]["split_k"]) == (64, 8)
-    from alfrl import engines
-
-    monkeypatch.setattr(engines, "vllm_gpu_name", lambda: "NVIDIA_H200")  # what the tuner writes passes the fit's check
-    assert engines.tuned_lora_folder(str(tmp_path / "cfg")) == str((tmp_path / "cfg").resolve())
