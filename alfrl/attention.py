@@ -38,7 +38,7 @@ def segment_lengths(position_ids: torch.Tensor) -> tuple[int, ...]:
 def sdpa_varlen_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
     """transformers' attention interface: query (1, H, T, D), key / value (1, KV, T, D) -> ((1, T, H, D), None).
 
-    Never traced by torch.compile (``model.compile_attention`` compiles the block around it): its loop over the row's
+    Never traced by torch.compile (``bench/update_bench.py``'s compiled-attention variant compiles the block around it): its loop over the row's
     sequences would make every count of sequences in a row a recompile (the H200 fit of 2026-12-03e hit dynamo's limit
     of 16 in its second update, after 406 s of compiling); each SDPA call is one fused kernel either way."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward

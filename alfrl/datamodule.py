@@ -19,7 +19,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from alfrl.advantages import AdvantageConfig, group_samples, make_samples
+from alfrl.advantages import AdvantageConfig, make_samples
 from alfrl.engines import EngineCounters
 from alfrl.evaluation import EvalConfig
 from alfrl.games import DataError, Game, fingerprint, scan_games, shuffled
@@ -117,9 +117,6 @@ class RolloutDataModule(L.LightningDataModule):
         self.sampler: Sampler | None = None
         self.train_games: list[Game] = []
         self.progress_listener: Callable[[RolloutProgress], None] | None = None
-        self.samples_listener: Callable[[list[Sample]], None] | None = None
-        """Gets each group's training samples as soon as the rollout finished the group (set by the training step for
-        ``model.ppo.update_during_rollout``; the batch still carries all samples)."""
 
     # ------------------------------------------------------------ checks
     @staticmethod
@@ -216,11 +213,8 @@ class RolloutDataModule(L.LightningDataModule):
     def next_batch(self) -> RolloutBatch:
         games = self.step_games()
         # step 1, rollout: K trajectories of each game with the current weights
-        listener = self.samples_listener
-        on_group = None if listener is None else (
-            lambda gi, group: listener(group_samples(gi, group, self.advantage, self.reward, self.rollout.history_length)[0]))
         rollout = self.connect(self.trainer.lightning_module).rollout(games, self.group_size, zlib.crc32(f"{self.seed}|step|{self.step}".encode()),
-                                                                      self.progress_listener, on_group)
+                                                                      self.progress_listener)
         if self.env_cfg.prefetch_resets:  # the next step's resets run in the workers while this batch trains
             self.sampler.prefetch(self.step_games(advance=False), self.group_size)
         failed = [g for g in rollout.groups if g.failed is not None]

@@ -137,8 +137,8 @@ def set_gradient_checkpointing(model, on: bool) -> None:
 
 
 COMPILED_PARTS = ("mlp", "input_layernorm", "post_attention_layernorm")
-"""What ``model.compile_layers`` compiles; ``model.compile_attention`` adds ``self_attn`` (compiled in pieces around
-``sdpa_varlen``'s per-sequence attention, which stays out of the compile; the same log-probs and gradients)."""
+"""What ``model.compile_layers`` compiles (``bench/update_bench.py`` can add ``self_attn``, compiled in pieces around
+``sdpa_varlen``'s per-sequence attention, which stays out of the compile)."""
 
 
 def compile_layers(model, on: bool = True, parts: tuple[str, ...] = COMPILED_PARTS) -> int:
@@ -150,7 +150,7 @@ def compile_layers(model, on: bool = True, parts: tuple[str, ...] = COMPILED_PAR
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
     modules = [getattr(layer, name) for layer in getattr(decoder, "layers", []) for name in parts if hasattr(layer, name)]
     if not modules:
-        raise ValueError(f"model.compile_layers / compile_attention: {type(model).__name__} has no decoder layers with "
+        raise ValueError(f"model.compile_layers: {type(model).__name__} has no decoder layers with "
                          f"{', '.join(parts)}: set them to false")
     for module in modules:
         if on and module._compiled_call_impl is None:

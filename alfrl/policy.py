@@ -29,7 +29,7 @@ from alfrl.linear_attention import KERNELS
 from alfrl.logprobs import causal_lm_of, predicted_logprobs, sequence_logprobs
 from alfrl.ppo import LoRAConfig, MicroBatch, OptimizerConfig, PPOConfig, collate, pack_microbatches
 from alfrl.types import Sample
-from alfrl.update import GroupUpdate, Totals, UpdateStart, backward_rows, summary
+from alfrl.update import Totals, UpdateStart, backward_rows, summary
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 MATMUL_PRECISIONS = ("highest", "high", "medium")
@@ -55,7 +55,6 @@ class AlfrlPolicy(L.LightningModule):
         float32_matmul_precision: str = "highest",
         adapter_dtype: str = "float32",
         compile_layers: bool = False,
-        compile_attention: bool = False,
         init_adapter: str | None = None,
         lora: LoRAConfig = LoRAConfig(),
         optim: OptimizerConfig = OptimizerConfig(),
@@ -85,9 +84,6 @@ class AlfrlPolicy(L.LightningModule):
                 bf16 model (``dtype: bfloat16``, or ``auto`` on a GPU).
             compile_layers: torch.compile each decoder layer's MLP and norms for training (alfrl.models.compile_layers:
                 fused elementwise work, dynamic shapes; the first update compiles). Attention stays eager.
-            compile_attention: torch.compile each layer's attention block too (rotary, the LoRA's scale-and-add around
-                it; the per-sequence split of packed rows breaks it into several graphs). On the H200, the update alone
-                (bench/leases/2026-12-03d.md): 5.87 s against 6.59 s with ``compile_layers`` only, a first update of 148 s.
             init_adapter: start from this LoRA adapter (a checkpoint folder, its adapter/ or trainer.ckpt,
                 e.g. an ``alfrl sft`` run's); null starts from B = 0.
             lora: the adapter (rank, alpha, dropout, target modules).
@@ -114,7 +110,7 @@ class AlfrlPolicy(L.LightningModule):
         self.linear_attention = None
         """The kernel chosen for linear-attention layers (alfrl.linear_attention.Choice), before the first update."""
         self.compiled: tuple[int, tuple[str, ...]] | None = None
-        """(modules, parts) that model.compile_layers / compile_attention compile on their first call (told at the first update)."""
+        """(modules, parts) that model.compile_layers compiles on their first call (told at the first update)."""
 
     @property
     def lora(self) -> LoRAConfig:
@@ -182,9 +178,8 @@ class AlfrlPolicy(L.LightningModule):
         config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=lora.target_modules,
                             bias="none", task_type="CAUSAL_LM")
         self.model = get_peft_model(base, config)
-        parts = (COMPILED_PARTS if hp.get("compile_layers", False) else ()) + (("self_attn",) if hp.get("compile_attention", False) else ())
-        if parts:
-            self.compiled = (compile_layers(base, parts=parts), parts)  # compiled on their first call: told at the first update
+        if hp.get("compile_layers", False):
+            self.compiled = (compile_layers(base), COMPILED_PARTS)  # compiled on their first call: told at the first update
         if hp.init_adapter:
             self.load_adapter(hp.init_adapter)
 
@@ -201,7 +196,7 @@ class AlfrlPolicy(L.LightningModule):
             if self.linear_attention.kernel != "none":
                 log.warning("linear-attention layers: %s (%s)", self.linear_attention.kernel, self.linear_attention.reason)
             if self.compiled:
-                log.warning("model.compile_layers / compile_attention: %d modules (%s) compile in this first update: expect it to "
+                log.warning("model.compile_layers: %d modules (%s) compile in this first update: expect it to "
                             "take about a minute longer (57.65 s more on an H200 for the 1.5B model, bench/leases/2026-12-04f.md)",
                             self.compiled[0], ", ".join(self.compiled[1]))
 
@@ -326,22 +321,10 @@ class AlfrlPolicy(L.LightningModule):
         guarded = dm.connect(self).engine.guard_trainer_memory  # an engine that can write into this process's memory
         if guarded and self.guard.taken is None:
             self.guard.take(self.model, optimizer)
-        early = self.group_update(dm) if self.ppo.update_during_rollout else None  # step 3 of each group as it finishes
-        try:
-            dm.samples_listener = early.add if early is not None else None
-            batch, _, _ = next(dataloader_iter)  # steps 1-2: the rollout, its advantages and samples
-            if guarded:
-                self.guard.check(self.model, optimizer, "the rollout and the weight sync since the last update")
-        except BaseException:
-            if early is not None:  # its worker stopped, its gradients dropped
-                early.abort()
-            raise
-        finally:
-            dm.samples_listener = None
-        if early is not None:  # step 3's end: the optimizer step on the whole batch's gradient
-            stats = early.finish(batch.samples, self.optimizers().step)
-        else:  # step 3
-            stats = self.update(batch.samples, temperature=batch.temperature)
+        batch, _, _ = next(dataloader_iter)  # steps 1-2: the rollout, its advantages and samples
+        if guarded:
+            self.guard.check(self.model, optimizer, "the rollout and the weight sync since the last update")
+        stats = self.update(batch.samples, temperature=batch.temperature)  # step 3
         if guarded:
             self.guard.take(self.model, optimizer)
             stats["memory_guard_seconds"] = self.guard.seconds
@@ -351,11 +334,6 @@ class AlfrlPolicy(L.LightningModule):
         self.log_dict({k: v for k, v in metrics.items() if k not in shown}, on_step=True, batch_size=1)
         self.log_dict({k: metrics[k] for k in shown if k in metrics}, on_step=True, prog_bar=True, batch_size=1)
         return None  # step 4, the sync, is the SamplerWeightSync callback's
-
-    def group_update(self, dm) -> GroupUpdate:
-        """``model.ppo.update_during_rollout``: an update fed by the rollout's finished groups (alfrl.update); on a GPU
-        with the vLLM engine in a worker thread, else inline (the hf engine generates with this very model)."""
-        return GroupUpdate(self, dm.rollout.temperature, threaded=self.device.type == "cuda" and dm.engine_cfg.kind == "vllm")
 
     def _throughput(self, samples: list[Sample], old: list[torch.Tensor], seconds: float) -> dict[str, float]:
         """The update's model TFLOP/s (6N, ``alfrl.models.update_flops``), and over the GPU's bf16 peak where it is known."""

@@ -98,10 +98,6 @@ class PPOConfig:
     """Tokens of one forward/backward (a packed row)."""
     logprob_chunk_size: int = 1024
     """Positions per output-layer chunk (bounds the float32 logits' memory)."""
-    update_during_rollout: bool = False
-    """Run each group's forward and backward passes as soon as the rollout finished the group, while the rollout's last
-    trajectories still decode; the optimizer step follows the last group (alfrl.update: the same update, one optimizer
-    step on the whole batch; needs epochs 1, minibatches 1 and one device)."""
 
     def problems(self, prefix: str = "model.ppo") -> list[str]:
         out = []
@@ -119,9 +115,6 @@ class PPOConfig:
             out.append(f"{prefix}.old_logprobs={self.old_logprobs!r} is not one of {', '.join(OLD_LOGPROBS)}")
         if self.tis_cap is not None and self.tis_cap <= 0:
             out.append(f"{prefix}.tis_cap={self.tis_cap} must be > 0 (or null to turn truncated importance sampling off)")
-        if self.update_during_rollout and (self.epochs != 1 or self.minibatches != 1):
-            out.append(f"{prefix}.update_during_rollout=true needs one optimizer step per rollout, not epochs={self.epochs} x "
-                       f"minibatches={self.minibatches}: set both to 1 or {prefix}.update_during_rollout to false")
         for name in ("epochs", "minibatches", "microbatch_tokens", "logprob_chunk_size"):
             if getattr(self, name) < 1:
                 out.append(f"{prefix}.{name}={getattr(self, name)} must be >= 1")

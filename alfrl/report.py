@@ -224,8 +224,7 @@ TRAIN_COLUMNS = {
     "seconds_wall": "step/seconds",
 }
 STEP_PARTS = ("seconds_rollout", "seconds_update", "seconds_sync")
-"""A training step's three timed parts in the log: the rollout, the update's part after it (with ``update_during_rollout``
-the rest ran beside the rollout) and the weight sync; their sum is the row's ``seconds_step``. The step's wall clock,
+"""A training step's three timed parts in the log: the rollout, the update and the weight sync; their sum is the row's ``seconds_step``. The step's wall clock,
 ``seconds_wall`` (``step/seconds``, logged since 2026-12-04), also holds what lies between them (the engine's probe after
 the rollout, the samples, the memory guard, the logging): the row's ``seconds_other``, wall minus the parts."""
 

@@ -148,8 +148,8 @@ class RolloutRunner:
         prepared: PrefetchedResets | None = None,
     ) -> list[TrajectoryGroup]:
         """Play ``group_size`` trajectories of each game; one TrajectoryGroup per game, in order.
-        ``on_group`` gets each game's index and group as soon as its last trajectory ended (evaluation writes it then;
-        ``model.ppo.update_during_rollout`` trains on it). ``prepared``: these games' groups with their resets submitted
+        ``on_group`` gets each game's index and group as soon as its last trajectory ended (evaluation writes it then).
+        ``prepared``: these games' groups with their resets submitted
         ahead of the rollout and the results of those already back (``Sampler.prefetch``)."""
         groups = prepared.groups if prepared else [EnvGroup.create(self.pool, game, group_size) for game in games]
         self.stats = RolloutStats()

@@ -106,14 +106,12 @@ class Sampler:
         return RolloutRunner(self.engine, self.pool, self.fmt, cfg or self.rollout_cfg, self.reward)
 
     def rollout(self, games: list[Game], group_size: int, seed: int,
-                progress: Callable[[RolloutProgress], None] | None = None,
-                on_group: Callable[[int, TrajectoryGroup], None] | None = None) -> RolloutResult:
-        """Play ``group_size`` trajectories of each game with the current weights; ``on_group(index, group)`` as each
-        game's group finishes."""
+                progress: Callable[[RolloutProgress], None] | None = None) -> RolloutResult:
+        """Play ``group_size`` trajectories of each game with the current weights."""
         self.engine.wake_up()
         before = self.engine.counters()
         runner = self.runner()
-        groups = runner.run(games, group_size, seed, progress, on_group, self._take_prefetch(games, group_size))
+        groups = runner.run(games, group_size, seed, progress, prepared=self._take_prefetch(games, group_size))
         counters = self.engine.counters().minus(before)
         # the engine scores the sync's probe as right after the last sync, before it sleeps (one short prefill)
         engine_metrics = self._sync.check_engine("after the rollout") if self._sync is not None else {}

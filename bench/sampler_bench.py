@@ -1,7 +1,7 @@
 """One GPU process, one engine, side by side: the Sampler's speed, the weight sync's checks, the update's MFU.
 
     python bench/sampler_bench.py --recipe recipes/qwen15b_coder_h200.yaml --out bench.json [--eval-out base.jsonl]
-        [--phases ceiling runners replay eval update sync step decode pushes] [--dry]
+        [--phases ceiling runners replay eval update sync decode pushes] [--dry]
 
 Phases (figures into one JSON; each phase's errors are recorded, the others still run):
 - ceiling: the engine alone (no environment): 8 groups x 8 sequences sharing a 1,000-token start,
@@ -27,9 +27,6 @@ Phases (figures into one JSON; each phase's errors are recorded, the others stil
 - sync: in the recipe's sync mode (run twice, ``--data.engine.weight_sync=lora`` then ``=merged``, for
   the side by side): decode speed of one batch with a non-zero adapter, the probe gap and response
   after 1 and 10 updates at lr 1e-6, and skipped syncs after an update at lr 1e-6 and at 1e-4.
-- step (bench/step_replay.py): a fit step's work on the same turns in every run: the replay (the saved turns of
-  ``--replay-turns``, else the asynchronous rollout's) with the update of its finished groups beside it, then the optimizer
-  step and the sync; ``--step-modes beside serial`` (the update during the replay, or after it), one after the other.
 - decode: for each of ``--decode-rows`` (1 8 64), that many random 1,000-token prompts each sampling ``--decode-tokens``
   (256), with a non-zero adapter served and on the same engine without it (two passes, alternating): what serving the
   LoRA costs per engine step where a rollout's tail runs (a few rows) and where its bulk does.
@@ -52,7 +49,6 @@ import traceback
 
 import torch
 from replay_ceiling import load_turns, save_turns, vllm_ceiling, vllm_replay  # bench/ (the script's folder is on sys.path)
-from step_replay import STEP_MODES, step_phase
 from update_bench import UPDATE_VARIANTS, profile_tables, timed, update_phase
 
 from alfrl.rollout import completion_tokens
@@ -282,8 +278,6 @@ def main() -> None:
                         "run: the same work on this run's engine settings) instead of this run's own rollout")
     parser.add_argument("--no-sync", action="store_true", help="no sync before the phases (the engine's base weights, no "
                         "adapter served: how the runners and the replay ran until 2026-12-03)")
-    parser.add_argument("--step-modes", nargs="+", default=list(STEP_MODES), choices=STEP_MODES,
-                        help="step phase: the update beside the replay (a fit's way) and/or after it")
     parser.add_argument("--decode-rows", nargs="+", type=int, default=[1, 8, 64], help="decode phase: batch sizes")
     parser.add_argument("--decode-tokens", type=int, default=256, help="decode phase: tokens each row samples")
     parser.add_argument("--pushes", type=int, default=4, help="pushes phase: syncs alone and beside resets, this many of each")
@@ -379,20 +373,6 @@ def main() -> None:
                 if "seconds" in report["phases"].get("ceiling", {}):
                     replayed["replay_over_ceiling_time"] = replayed["seconds"] / report["phases"]["ceiling"]["seconds"]
                 report["phases"]["replay"] = replayed
-            elif phase == "step":  # a fit step's work, the same in every run (bench/step_replay.py; dry: on the hf engine)
-                if args.replay_turns:
-                    trajectories = load_turns(args.replay_turns)
-                else:
-                    if async_result is None:
-                        async_result = sampler.rollout(games, dm.group_size, seed=7)
-                    trajectories = [t for g in async_result.groups for t in g.trajectories]
-                stepped = report["phases"]["step"] = {"replayed_from": args.replay_turns,
-                                                      **step_phase(sampler, policy, trajectories, dm.group_size, dm.rollout.temperature,
-                                                                   args.step_modes)}
-                for run in stepped["runs"]:
-                    print(f"step {run['mode']}: {run['step_seconds']:.3f} s (replay {run['replay_seconds']:.3f}, tail {run['tail_steps']} "
-                          f"steps of {run['tail_step_ms']:.3f} ms, update after {run['update_after_replay_seconds']:.3f}, sync "
-                          f"{run['sync_seconds']:.3f})", flush=True)
             elif phase == "decode" and not args.dry:  # the adapter served against none, at each batch size
                 decoded = report["phases"]["decode"] = {}
                 for r in args.decode_rows:  # each batch size kept and printed as it ends: a run cut off keeps those done

@@ -100,8 +100,6 @@ def update_phase(policy, samples, temperature: float, variants=UPDATE_VARIANTS, 
     ckpt0 = bool(policy.hparams.gradient_checkpointing)
     precision0 = policy.hparams.get("float32_matmul_precision", "highest")
     adapter0, compiled0 = policy.hparams.get("adapter_dtype", "float32"), bool(policy.hparams.get("compile_layers", False))
-    if policy.hparams.get("compile_attention", False):
-        compiled0 = "with_attention"  # restored as the recipe had it (its attention blocks compiled too)
     policy.hparams.ppo = dataclasses.replace(ppo0, old_logprobs="sampler")
     try:  # the same packed row scored both ways: the new attention must give the old one's log-probs
         _set_checkpointing(policy, False)
