@@ -89,8 +89,21 @@ def build_page(runs: list[tuple[str, list[dict]]], table_md: str, images: list[P
     pictures = "".join(
         f'<figure><img alt="{html.escape(p.stem)}" src="data:image/png;base64,{base64.b64encode(p.read_bytes()).decode()}"></figure>'
         for p in images if p.is_file())
-    payload = json.dumps(data, separators=(",", ":")).replace("</", "<\\/")
-    return _PAGE.replace("%TABLE%", _markdown_tables(table_md)).replace("%CHARTS%", pictures).replace("%DATA%", payload)
+    parts = {"TABLE": _markdown_tables(table_md), "CHARTS": pictures, "DATA": script_safe_json(data)}
+    # one pass: a value that holds %DATA% (a run named so) is not itself searched again
+    return re.sub(r"%(TABLE|CHARTS|DATA)%", lambda m: parts[m.group(1)], _PAGE)
+
+
+SCRIPT_UNSAFE = {"<": "\\u003c", ">": "\\u003e", "&": "\\u0026", "\u2028": "\\u2028", "\u2029": "\\u2029"}
+"""Characters that JSON may hold as they are but an HTML script block may not: ``<`` and ``>`` (``</script``, ``<!--``
+and ``<script`` change how the block is parsed), ``&``, and the line separators some JavaScript parsers end a line at."""
+
+
+def script_safe_json(data) -> str:
+    """``data`` as JSON that a ``<script type="application/json">`` block holds verbatim, whatever its strings contain
+    (the same value for JSON.parse: each unsafe character is written as its \\u escape)."""
+    text = json.dumps(data, separators=(",", ":"), ensure_ascii=False)
+    return re.sub("[<>&\u2028\u2029]", lambda m: SCRIPT_UNSAFE[m.group(0)], text)
 
 
 def _markdown_tables(md: str) -> str:
@@ -140,7 +153,8 @@ details{margin:8px 16px}figure{display:inline-block;margin:4px}figure img{max-wi
 <div id="count" class="meta"></div><div id="list"></div></div><div id="right"><p class="meta">Pick a game on the left.</p></div></main>
 <script id="data" type="application/json">%DATA%</script><script>
 const D=JSON.parse(document.getElementById('data').textContent),S=D.strings,$=id=>document.getElementById(id);
-const esc=t=>t.replace(/[&<>"]/g,c=>({'&':'&amp;','<':'&lt;','>':'&gt;','"':'&quot;'}[c]));
+const esc=t=>String(t??'').replace(/[&<>"']/g,c=>({'&':'&amp;','<':'&lt;','>':'&gt;','"':'&quot;',"'":'&#39;'}[c]));
+const num=(x,d)=>Number.isFinite(Number(x))?Number(x).toFixed(d):esc(x);
 function fill(sel,values){for(const v of values){const o=document.createElement('option');o.value=v;o.textContent=v;sel.appendChild(o);}}
 D.runs.forEach((r,i)=>{for(const id of ['run','other']){const o=document.createElement('option');o.value=i;o.textContent=r.name+(r.training?' (training)':'');$(id).appendChild(o);}});
 const all=D.runs.flatMap(r=>r.games);fill($('split'),[...new Set(all.map(g=>g.split))].sort());
@@ -149,17 +163,17 @@ function key(g){return g.id+(g.group!==undefined?'#'+g.group+'.'+g.index:'');}
 function list(){const r=D.runs[+$('run').value],f={split:$('split').value,task:$('task').value,o:$('outcome').value,stop:$('stop').value};
 const gs=r.games.filter(g=>(!f.split||g.split==f.split)&&(!f.task||g.task_type==f.task)&&(!f.o||(f.o=='won')==g.won)&&(!f.stop||g.stop==f.stop));
 $('count').textContent=gs.length+' of '+r.games.length+' games';
-$('list').innerHTML=gs.map((g,i)=>`<div class="game" data-k="${esc(key(g))}"><span class="${g.won?'won':'lost'}">${g.won?'won':'lost'}</span> ${esc(g.id)} <span class="meta">${g.turns.length} turns, ${g.stop}${g.advantage!==undefined?', adv '+g.advantage.toFixed(3):''}</span></div>`).join('');
+$('list').innerHTML=gs.map((g,i)=>`<div class="game" data-k="${esc(key(g))}"><span class="${g.won?'won':'lost'}">${g.won?'won':'lost'}</span> ${esc(g.id)} <span class="meta">${g.turns.length} turns, ${esc(g.stop)}${g.advantage!==undefined?', adv '+num(g.advantage,3):''}</span></div>`).join('');
 for(const el of document.querySelectorAll('.game'))el.onclick=()=>show(el.dataset.k);}
 function turns(g){const seen={},out=[];
 for(const [i,t] of g.turns.entries()){const act=S[t[2]],loop=act&&seen[act]!==undefined;if(act&&!loop)seen[act]=i;out.push({t,i,loop,first:loop?seen[act]:null});}return out;}
 function head(g){if(!g)return '<p class="meta">not played in this run</p>';
-let h=`<h3 class="${g.won?'won':'lost'}">${g.won?'won':'lost'}: ${esc(g.task||'')}</h3><div class="meta">${esc(g.id)} | ${g.task_type} | stop: ${g.stop} | reward ${g.reward.toFixed(2)} | invalid actions ${g.invalid}</div>`;
-if(g.group_rewards)h+=`<div class="meta">group ${g.group}, trajectory ${g.index}: advantage ${g.advantage.toFixed(3)}; group rewards [${g.group_rewards.map(x=>x.toFixed(2)).join(', ')}]</div>`;
+let h=`<h3 class="${g.won?'won':'lost'}">${g.won?'won':'lost'}: ${esc(g.task||'')}</h3><div class="meta">${esc(g.id)} | ${esc(g.task_type)} | stop: ${esc(g.stop)} | reward ${num(g.reward,2)} | invalid actions ${esc(g.invalid)}</div>`;
+if(g.group_rewards)h+=`<div class="meta">group ${esc(g.group)}, trajectory ${esc(g.index)}: advantage ${num(g.advantage,3)}; group rewards [${g.group_rewards.map(x=>num(x,2)).join(', ')}]</div>`;
 return h+`<div class="obs">${esc(S[g.first])}</div>`;}
 function body(g){if(!g)return [];const out=[];
 for(const {t,i,loop,first} of turns(g)){
-let h=`<div class="turn${t[3]&&t[4]?'':' bad'}${loop?' loop':''}"><div class="meta">turn ${i+1} | prompt ${t[7]} tokens, completion ${t[8]} | <span class="tag ${t[3]?'ok':'no'}">${t[3]?'well formed':'bad format'}</span><span class="tag ${t[4]?'ok':'no'}">${t[4]?'admissible':'not admissible'}</span>${loop?'<span class="tag no">repeats turn '+(first+1)+'</span>':''}${S[t[9]]?' '+esc(S[t[9]]):''}</div>`;
+let h=`<div class="turn${t[3]&&t[4]?'':' bad'}${loop?' loop':''}"><div class="meta">turn ${i+1} | prompt ${esc(t[7])} tokens, completion ${esc(t[8])} | <span class="tag ${t[3]?'ok':'no'}">${t[3]?'well formed':'bad format'}</span><span class="tag ${t[4]?'ok':'no'}">${t[4]?'admissible':'not admissible'}</span>${loop?'<span class="tag no">repeats turn '+(first+1)+'</span>':''}${S[t[9]]?' '+esc(S[t[9]]):''}</div>`;
 if(S[t[0]])h+=`<div class="think">${esc(S[t[0]])}</div>`;
 h+=`<div class="act">${esc(S[t[2]]||S[t[1]])}</div><div class="meta">${esc(S[t[5]])}</div><div class="obs">${esc(S[t[6]])}</div></div>`;out.push(h);}
 if(g.stop=='trajectory_too_long')out.push('<div class="budget">The token budget ran out here: the next prompt would not have fit.</div>');return out;}

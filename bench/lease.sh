@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # One GPU lease as a background job, so no step is bound by a call's limit. Calls, back to back (the machine goes
 # cold 30 s after a call; a carried path exists only during its call, so `stage` copies it to /tmp):
-#   bash bench/lease.sh stage .gpu-kit/c01       # ... c07 (c01 carries install.sh), then .gpu-model/m01 ... m20, then .gpu-data
-#   bash bench/lease.sh start                    # after the last piece: install, games, model, then the lane (LANE=...)
+#   bash bench/lease.sh stage .gpu-kit/c01       # ... c07 (c01 carries install.sh), then .gpu-data
+#   bash bench/lease.sh start                    # install and games start; the job waits for the model's pieces:
+#   bash bench/lease.sh stage .gpu-model/m01     # ... m20; then the model, the rest of the expert plans and the lane (LANE=...)
 #   bash bench/lease.sh wait 540                 # until the lane is done or 540 s pass; its results and logs go to $OUT
-# .gpu-data holds json_2.1.1.tar.xz and expert.jsonl.gz (`alfrl expert --config recipes/qwen15b_coder_h200.yaml`, made
-# on the CPU beforehand). LANE=determinism (issue "Reproducible to the bit"): the warm start (alfrl sft on every plan), its
+# .gpu-data holds json_2.1.1.tar.xz and expert.jsonl.gz with its .skipped.json (`alfrl expert --config
+# recipes/qwen15b_coder_h200.yaml`, begun on the CPU; the lease plays the games it did not reach). LANE=determinism (issue "Reproducible to the bit"): the warm start (alfrl sft on every plan), its
 # 274-game evaluation twice with data.eval.deterministic true and once false, compared by `alfrl report`; then 3-update
 # fits from it with data.rollout.deterministic true (twice) and false, their rollouts and adapters compared.
 # DRY=1 runs the same lane on this CPU with the tiny model (hf engine, 2 games a split) to check it before a lease.
@@ -41,8 +42,9 @@ else
   EVAL=(--data.engine.gpu_memory_utilization 0.85 --data.env.num_workers 16); FIT=(--data.env.num_workers 16)
 fi
 ALFRL=("$PY" -m alfrl.cli)
+GGUF_SHA=cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046   # ../shared/gpu-offline/fetch-model.sh
 
-setup() {  # the kit, the games and the model (GPU); the expert plans unpacked
+setup() {  # the kit and the games; then, once every model piece is staged, the model converted beside the expert plans
   if [ "$DRY" = 1 ]; then
     [ -f "$EXPERT" ] || timed expert "${ALFRL[@]}" expert --config "$RL" "${MODEL[@]}" --trainer.accelerator cpu --limit 8 --out "$EXPERT" || return 1
     return 0
@@ -52,9 +54,20 @@ setup() {  # the kit, the games and the model (GPU); the expert plans unpacked
     "$PY" -c "import torch, transformers, vllm; print('torch', torch.__version__, 'transformers', transformers.__version__, 'vllm', vllm.__version__)"
   } > "$W/results/machine.txt" 2>&1 || return 1
   timed games "${ALFRL[@]}" data prepare --data-dir "$W/alfworld" --archive /tmp/gpu-data/json_2.1.1.tar.xz || return 1
-  gunzip -c /tmp/gpu-data/expert.jsonl.gz > "$EXPERT" || return 1
+  gunzip -c /tmp/gpu-data/expert.jsonl.gz > "$EXPERT" && cp /tmp/gpu-data/expert.jsonl.skipped.json "$EXPERT.skipped.json" || return 1
+  local waited=0
+  while [ "$(ls /tmp/model-stage/qwen.gguf.part* 2>/dev/null | wc -l)" -lt 20 ]; do
+    sleep 2; waited=$(( waited + 2 )); [ "$waited" -lt 1200 ] || { log "the model's 20 pieces did not all arrive"; return 1; }
+  done
   mkdir -p "$W/qwen15b-coder" && cat /tmp/model-stage/qwen.gguf.part* > "$W/qwen15b-coder/qwen.gguf" || return 1
-  timed convert "${ALFRL[@]}" convert-gguf "$W/qwen15b-coder" --gguf-file qwen.gguf --out "$W/qwen15b-coder-hf"
+  [ "$(sha256sum < "$W/qwen15b-coder/qwen.gguf" | cut -d' ' -f1)" = "$GGUF_SHA" ] || { log "the GGUF's checksum does not match"; return 1; }
+  # the expert plans the CPU did not reach (resumed: games already in the file are skipped), tokenized from the GGUF as there
+  timed expert "${ALFRL[@]}" expert --config recipes/qwen15b_coder_h200.yaml --model.model_name "$W/qwen15b-coder" \
+    --model.gguf_file qwen.gguf --trainer.accelerator cpu --data.env.num_workers 12 --out "$EXPERT" &
+  local expert=$!
+  timed convert "${ALFRL[@]}" convert-gguf "$W/qwen15b-coder" --gguf-file qwen.gguf --out "$W/qwen15b-coder-hf" || return 1
+  wait $expert || return 1
+  log "$(wc -l < "$EXPERT") expert trajectories"
 }
 
 determinism() {

@@ -15,7 +15,7 @@ from tests.helpers import WalkthroughEngine, alfrl_here
 
 
 def _data(page: str) -> dict:
-    return json.loads(re.search(r'<script id="data" type="application/json">(.*?)</script>', page, re.DOTALL).group(1).replace("<\\/", "</"))
+    return json.loads(re.search(r'<script id="data" type="application/json">(.*?)</script>', page, re.DOTALL).group(1))
 
 
 @pytest.fixture(scope="module")
@@ -96,3 +96,77 @@ def test_every_text_is_stored_once(evals):
     assert len(data["strings"]) == len(set(data["strings"]))
     single = len(json.dumps(_data(build_page([("a", recs)], "", []))))
     assert len(json.dumps(data)) < 1.7 * single  # the second run's texts are references, not copies
+
+
+HOSTILE = ['<img src=x onerror="window.ran=1">', "</script><script>window.ran=2</script>", "<!-- ", "<SCRIPT>window.ran=3</SCRIPT>",
+           "\u2028\u2029", "%DATA%", "' onmouseover='window.ran=4", "&lt;b&gt;"]
+
+PAGE_SCRIPT_HARNESS = r"""
+const fs = require('fs');
+const page = fs.readFileSync(process.argv[2], 'utf8');
+const blocks = [...page.matchAll(/<script([^>]*)>([\s\S]*?)<\/script>/gi)];
+const data = blocks.find(b => b[1].includes('id="data"'))[2];
+const code = blocks.find(b => !b[1].includes('id="data"'))[2];
+const els = {}, html = [];
+function el(id) {
+  if (!els[id]) els[id] = {id, value: '', textContent: '', dataset: {}, options: [], appendChild(c) { this.options.push(c); },
+    set innerHTML(v) { html.push(v); this._h = v; }, get innerHTML() { return this._h || ''; }};
+  return els[id];
+}
+global.document = {getElementById: id => id === 'data' ? {textContent: data} : el(id), createElement: () => ({}),
+                   querySelectorAll: () => []};
+global.location = {hash: ''};
+eval(code);
+const runs = JSON.parse(data).runs;
+runs.forEach((r, ri) => { els.run.value = String(ri); els.other.value = ''; list();
+  for (const g of r.games) { show(key(g)); els.other.value = String((ri + 1) % runs.length); show(key(g)); els.other.value = ''; } });
+console.log(JSON.stringify({html, names: els.run.options.map(o => o.textContent), ran: global.ran || null}));
+"""
+
+
+def test_hostile_values_in_every_field_reach_the_page_as_text(tmp_path):
+    """Model output and files on disk are untrusted: every field of an evaluation or rollout record, and every run name,
+    is shown as text. The data block survives </script, <!--, <script and U+2028/9 (JSON.parse gives the values back),
+    a run named %DATA% pastes nothing, and the page's own script (run in node with a stand-in DOM for every game, alone
+    and side by side) writes no markup from them."""
+    import shutil
+    import subprocess
+
+    def record(k, text):
+        turn = {"completion_text": text, "action": text, "valid_format": True, "admissible": True, "format_error": text,
+                "observation": text, "observation_before": text, "prompt_tokens": text, "completion_tokens": text,
+                "finish_reason": text, "status": text}
+        return {"type": "game", "game_id": f"valid_seen:{text}{k}", "split": text, "task_type": text, "task": text, "won": False,
+                "steps": 1, "invalid_actions": text, "stop_reason": text, "reward": text, "turns": [turn]}
+
+    runs = [(name, [record(k, text) for k, text in enumerate(HOSTILE)]) for name in (HOSTILE[0], "%DATA%")]
+    rollout = tmp_path / "step-000001-rank0.jsonl"
+    rollout.write_text("".join(json.dumps({**record(k, t), "type": "trajectory", "group": t, "index": t, "reward": 0.5}) + "\n"
+                               for k, t in enumerate(HOSTILE)))
+    big = record(0, "ok")
+    big["turns"][0]["completion_text"] = "<think>" + "x" * 3_000_000  # a completion of 3 MB
+    page = build_page(runs + [("big", [big])], "| run |\n|---|\n| %DATA% |\n", [], [(HOSTILE[1], rollout)])
+    assert len(page) < 3_000_000 + 200_000  # the run named %DATA% and the 3 MB completion: stored once, pasted nowhere else
+    assert page.count("<script") == 2 and page.count("</script") == 2  # the page's own two blocks, nothing from the data
+    for text in HOSTILE[:5]:
+        assert text not in page.replace("%DATA%", "")
+    data = _data(page)
+    assert data["runs"][0]["name"] == HOSTILE[0] and data["runs"][1]["name"] == "%DATA%" and data["runs"][3]["name"] == HOSTILE[1]
+    assert set(HOSTILE) <= set(data["strings"])  # every value comes back exactly
+    node = shutil.which("node")
+    if node is None:
+        pytest.skip("no node here to run the page's script")
+    (tmp_path / "page.html").write_text(page)
+    (tmp_path / "harness.js").write_text(PAGE_SCRIPT_HARNESS)
+    out = subprocess.run([node, str(tmp_path / "harness.js"), str(tmp_path / "page.html")], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout)
+    assert result["ran"] is None and result["names"][:2] == [HOSTILE[0], "%DATA%"]
+    written = "".join(result["html"])
+    listed = sum(h.count('class="game"') for h in result["html"])
+    assert listed >= len(HOSTILE) * 3  # every game of the three runs listed
+    for fragment in result["html"]:  # only the page's own tags: each hostile text arrives escaped
+        tags = set(re.findall(r"<\s*([a-zA-Z!/][a-zA-Z0-9]*)", fragment))
+        assert tags <= {"div", "/div", "span", "/span", "h3", "/h3", "h4", "/h4", "p", "/p"}, tags
+        assert "onerror" not in fragment.replace("onerror=&quot;", "") and "onmouseover='" not in fragment
+    assert "&lt;img src=x onerror=&quot;window.ran=1&quot;&gt;" in written and "&amp;lt;b&amp;gt;" in written
