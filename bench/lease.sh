@@ -8,18 +8,21 @@
 # .gpu-data holds json_2.1.1.tar.xz and expert.jsonl.gz with its .skipped.json (`alfrl expert --config
 # recipes/qwen15b_coder_h200.yaml`, begun on the CPU; the lease plays the games it did not reach). LANE=determinism (issue "Reproducible to the bit"): the warm start (alfrl sft on every plan), its
 # 274-game evaluation twice with data.eval.deterministic true and once false, compared by `alfrl report`; then 3-update
-# fits from it with data.rollout.deterministic true (twice) and false, their rollouts and adapters compared.
+# fits from it with data.rollout.deterministic true (twice) and false, their rollouts and adapters compared (FITS=0: not;
+# SFT_STEPS=N: a shorter warm start).
 # DRY=1 runs the same lane on this CPU with the tiny model (hf engine, 2 games a split) to check it before a lease.
 set -uo pipefail
 cd "${ALFRL_REPO:-$(dirname "$0")/..}"
 REPO=$PWD
-W=${ALFRL_GPU_WORK:-/tmp/alfrl}
+# on the checkout's disk, not /tmp (the kit, the GGUF and its 3.4 GB conversion filled the H100's /tmp, 2026-12-06)
+W=${ALFRL_GPU_WORK:-$PWD/.gpu-work}
 OUT=${OUT:-$W/out}
 DRY=${DRY:-0}
 LANE=${LANE:-determinism}
 mkdir -p "$W/logs" "$W/results" "$W/runs" "$OUT"
 RUN=$W/runs
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false ALFWORLD_DATA=$W/alfworld
+mkdir -p "$W/tmp"
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false ALFWORLD_DATA=$W/alfworld TMPDIR=$W/tmp   # each environment copies a library there
 log() { echo "$(date +%T) $*" | tee -a "$W/logs/lease.log"; }
 timed() {  # timed NAME CMD...: the command's output in logs/NAME.log, its rc and seconds in results/times.txt
   local name=$1 s rc; shift; s=$(date +%s)
@@ -37,7 +40,7 @@ else
   export PYTHONPATH=/tmp/site:$REPO NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
   export TRITON_CACHE_DIR=$W/cache/triton VLLM_CACHE_ROOT=$W/cache/vllm TORCHINDUCTOR_CACHE_DIR=$W/cache/inductor
   RL=recipes/rl_qwen15b_from_sft.yaml; SFT=recipes/sft_qwen15b.yaml; MODEL=(--model.model_name "$W/qwen15b-coder-hf")
-  SFT_ARGS=(); EXPERT=$W/expert.jsonl
+  SFT_ARGS=(${SFT_STEPS:+--trainer.max_steps $SFT_STEPS}); EXPERT=$W/expert.jsonl
   # alone on the GPU: 0.85 of it holds every game's KV cache (28 KiB a token, 274 x 12,000 tokens at most)
   EVAL=(--data.engine.gpu_memory_utilization 0.85 --data.env.num_workers 16); FIT=(--data.env.num_workers 16)
 fi
@@ -50,16 +53,18 @@ setup() {  # the kit and the games; then, once every model piece is staged, the 
     return 0
   fi
   timed install bash /tmp/wheel-stage/install.sh install /tmp/site || return 1
+  rm -rf /tmp/wheel-stage
   { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
     "$PY" -c "import torch, transformers, vllm; print('torch', torch.__version__, 'transformers', transformers.__version__, 'vllm', vllm.__version__)"
   } > "$W/results/machine.txt" 2>&1 || return 1
   timed games "${ALFRL[@]}" data prepare --data-dir "$W/alfworld" --archive /tmp/gpu-data/json_2.1.1.tar.xz || return 1
   gunzip -c /tmp/gpu-data/expert.jsonl.gz > "$EXPERT" && cp /tmp/gpu-data/expert.jsonl.skipped.json "$EXPERT.skipped.json" || return 1
+  df -h /tmp "$W" > "$W/results/disk.txt" 2>&1
   local waited=0
   while [ "$(ls /tmp/model-stage/qwen.gguf.part* 2>/dev/null | wc -l)" -lt 20 ]; do
     sleep 2; waited=$(( waited + 2 )); [ "$waited" -lt 1200 ] || { log "the model's 20 pieces did not all arrive"; return 1; }
   done
-  mkdir -p "$W/qwen15b-coder" && cat /tmp/model-stage/qwen.gguf.part* > "$W/qwen15b-coder/qwen.gguf" || return 1
+  mkdir -p "$W/qwen15b-coder" && cat /tmp/model-stage/qwen.gguf.part* > "$W/qwen15b-coder/qwen.gguf" && rm -rf /tmp/model-stage || return 1
   [ "$(sha256sum < "$W/qwen15b-coder/qwen.gguf" | cut -d' ' -f1)" = "$GGUF_SHA" ] || { log "the GGUF's checksum does not match"; return 1; }
   # the expert plans the CPU did not reach (resumed: games already in the file are skipped), tokenized from the GGUF as there
   timed expert "${ALFRL[@]}" expert --config recipes/qwen15b_coder_h200.yaml --model.model_name "$W/qwen15b-coder" \
@@ -81,6 +86,7 @@ determinism() {
     cp "$RUN/$name.summary.json" "$W/results/" 2>/dev/null; grep -h "evaluation time\|in engine steps" "$W/logs/eval_$name.log" >> "$W/results/eval_times.txt"
   done
   timed report "${ALFRL[@]}" report "$RUN/det_a.jsonl" "$RUN/det_b.jsonl" "$RUN/nondet.jsonl" --names det_a det_b nondet --out "$W/results/report"
+  [ "${FITS:-1}" = 1 ] || return 0   # FITS=0: the evaluations only
   for name in fit_det_a fit_det_b fit_nondet; do
     local flag=true; [ "$name" = fit_nondet ] && flag=false
     timed "$name" "${ALFRL[@]}" fit --config "$RL" "${MODEL[@]}" --model.init_adapter "$adapter" "${FIT[@]}" \
@@ -109,7 +115,7 @@ case "${1:-}" in
     rm -rf "$W/repo" && mkdir -p "$W/repo" && tar -c --exclude=./.git --exclude='./.gpu-*' --exclude=./.venv --exclude=./.cache \
       --exclude=./runs . | tar -x -C "$W/repo" && cp "$0" "$W/lease.sh" || exit 1
     [ "$DRY" = 1 ] && ln -s "$REPO/.venv" "$W/repo/.venv"
-    ALFRL_REPO=$W/repo ALFRL_GPU_WORK=$W LANE=$LANE DRY=$DRY setsid nohup bash "$W/lease.sh" _run > "$W/logs/job.log" 2>&1 < /dev/null &
+    ALFRL_REPO=$W/repo ALFRL_GPU_WORK=$W LANE=$LANE DRY=$DRY FITS=${FITS:-1} SFT_STEPS=${SFT_STEPS:-} setsid nohup bash "$W/lease.sh" _run > "$W/logs/job.log" 2>&1 < /dev/null &
     log "started $LANE" ;;
   _run)
     { setup && "$LANE"; } ; touch "$W/done"; log "done" ;;
