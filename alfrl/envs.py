@@ -14,6 +14,7 @@ so no environment is lost.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing.connection as mpc
 import os
@@ -76,6 +77,55 @@ def _state_of(game_state, done: bool) -> tuple:
     return (game_state.feedback, admissible, won, bool(done) or won)
 
 
+class PlannerLibraries:
+    """The planner library copies of one worker's environments, reused.
+
+    fast_downward gives every environment its own copy of ``libdownward.so`` (the planner keeps its task in globals):
+    copied into a temporary folder that is deleted at once while the copy stays loaded, so each copy's 33 MB of disk
+    stay held until the worker exits. A fit's 64 environments a step held 2.1 GB more every step, and ``alfrl expert``
+    over the 3,553 training games filled a 64 GB disk (H100, 2026-12-06: 281 games failed with ENOSPC). Here the copies
+    of closed environments go back to a free list and new environments take them (each new planner state loads its own
+    task into its copy first), so a worker holds as many copies as it ever had environments open at once.
+    """
+
+    def __init__(self):
+        import fast_downward
+
+        self._load = fast_downward.load_lib
+        self.free: list = []
+        self.owned: dict[int, list] = {}
+        self._taking: list | None = None
+        self.loaded = 0
+        """Copies loaded from disk so far (the rest of the hand-outs were reused)."""
+        fast_downward.load_lib = self.take
+
+    def take(self):
+        lib = self.free.pop() if self.free else None
+        if lib is None:
+            lib = self._load()
+            self.loaded += 1
+        if self._taking is not None:
+            self._taking.append(lib)
+        return lib
+
+    @contextlib.contextmanager
+    def taken_by(self, env_id: int):
+        """The copies handed out inside belong to ``env_id`` (an environment that failed to start gives them back)."""
+        self._taking = taken = []
+        try:
+            yield
+        except BaseException:
+            self.free.extend(taken)
+            raise
+        finally:
+            self._taking = None
+        self.owned[env_id] = taken
+
+    def release(self, env_id: int) -> None:
+        """``env_id``'s copies back to the free list (its environment closed or replaced)."""
+        self.free.extend(self.owned.pop(env_id, []))
+
+
 def _worker_main(fd: int, fast_reset: bool = True, fast_step: bool = True) -> None:
     """Serve environment commands on the socket ``fd`` until the parent closes it."""
     import textworld
@@ -90,6 +140,7 @@ def _worker_main(fd: int, fast_reset: bool = True, fast_step: bool = True) -> No
 
         enable_fast_step()
 
+    libraries = PlannerLibraries()
     conn = mpc.Connection(fd)
     infos = textworld.EnvInfos(won=True, admissible_commands=True, extras=["gamefile"])
     envs: dict[int, object] = {}
@@ -106,7 +157,9 @@ def _worker_main(fd: int, fast_reset: bool = True, fast_step: bool = True) -> No
                 old = envs.pop(env_id, None)
                 if old is not None:
                     old.close()
-                env = textworld.start(arg, infos, wrappers=[AlfredDemangler(), AlfredInfos])
+                libraries.release(env_id)
+                with libraries.taken_by(env_id):
+                    env = textworld.start(arg, infos, wrappers=[AlfredDemangler(), AlfredInfos])
                 envs[env_id] = env
                 conn.send(("ok", _state_of(env.reset(), False)))
             elif op == "step":
@@ -116,6 +169,7 @@ def _worker_main(fd: int, fast_reset: bool = True, fast_step: bool = True) -> No
                 env = envs.pop(env_id, None)
                 if env is not None:
                     env.close()
+                libraries.release(env_id)
                 conn.send(("ok", None))
             elif op == "ping":
                 conn.send(("ok", os.getpid()))

@@ -87,6 +87,8 @@ def main(argv: list[str]) -> int:
 
     from alfrl.recipe import load_recipe
 
+    if args.adapter:  # the adapter evaluated replaces whatever warm start the recipe names (a fit's init_adapter)
+        rest = [*rest, "--model.init_adapter", "null"]
     cli = load_recipe(rest)
     dm, policy = cli.datamodule, cli.model
     cfg = dm.eval_cfg

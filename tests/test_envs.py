@@ -4,6 +4,7 @@ import os
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
@@ -145,3 +146,21 @@ def test_closing_leaves_no_child_processes(valid_games):
             os.kill(pid, 0)
     children = subprocess.run(["ps", "-o", "pid=", "--ppid", str(os.getpid())], capture_output=True, text=True).stdout.split()
     assert not set(map(int, children)) & set(pids)
+
+
+def test_a_worker_reuses_the_planner_library_copies_of_closed_environments(valid_games):
+    """fast_downward loads a private copy of libdownward.so (33 MB) per environment from a folder it deletes at once: the
+    copy's disk stays held while it is loaded. A worker that opened 2 environments at a time over 6 games holds 2 copies,
+    not 12, and games played on reused copies still win by their walkthroughs (each planner state loads its own task)."""
+    games = valid_games[:6]
+    with EnvPool(num_workers=1) as pool:
+        for game in games:
+            group = EnvGroup.create(pool, game, 2)
+            group.reset()
+            for action in game.walkthrough():
+                results = group.step([action, action])
+            assert all(r.won for r in results), game.id
+            group.close()
+        maps = Path(f"/proc/{pool.worker_pids()[0]}/maps").read_text().splitlines()
+    copies = {line.split()[5] for line in maps if "libdownward" in line and len(line.split()) > 5}
+    assert len(copies) == 2, copies

@@ -295,3 +295,23 @@ def test_identical_games_finds_each_games_first_different_turn():
     assert same["first_difference"] == {"g1": None, "g2": 1, "g3": 1, "g4": 1}
     b[0]["turns"][0] = dict(b[0]["turns"][0], completion_tokens=3)  # one token more in the same text: a different play
     assert identical_games(a, b)["first_difference"]["g1"] == 0
+
+
+def test_an_adapter_given_to_eval_replaces_the_warm_start_the_recipe_names(monkeypatch):
+    """`alfrl eval --config recipes/rl_qwen15b_from_sft.yaml --adapter RUN/checkpoints/last` on a machine without the
+    recipe's warm start (runs/sft_qwen15b/...) stopped with a recipe error (H100, 2026-12-06): the evaluated adapter is
+    the model's whole adapter, so the recipe's init_adapter is dropped before the recipe is checked."""
+    from alfrl import evaluate_cli, recipe
+
+    seen = []
+
+    def stop(argv):
+        seen.append(argv)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(recipe, "load_recipe", stop)
+    for argv in (["--config", "recipes/rl_qwen15b_from_sft.yaml", "--adapter", "a/b", "--out", "x.jsonl"],
+                 ["--config", "recipes/rl_qwen15b_from_sft.yaml", "--out", "x.jsonl"]):
+        with pytest.raises(SystemExit):
+            evaluate_cli.main(argv)
+    assert seen[0][-2:] == ["--model.init_adapter", "null"] and "--model.init_adapter" not in seen[1]
