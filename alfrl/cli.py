@@ -111,8 +111,14 @@ def _play(argv: list[str]) -> int:
 
 
 def _split_own_args(argv: list[str], own: argparse.ArgumentParser) -> tuple[argparse.Namespace, list[str]]:
-    args, rest = own.parse_known_args(argv)
-    return args, rest
+    """This subcommand's own flags, and the recipe's (the rest); ``-h`` prints both kinds' usage and exits 0 before any
+    required flag is asked for."""
+    if "-h" in argv or "--help" in argv:
+        own.print_help()
+        print(f"\nand recipe options: {own.prog} --config RECIPE [--data.rollout.temperature 0.7 ...] "
+              "(`alfrl fit --config RECIPE --help` lists every key)")
+        raise SystemExit(0)
+    return own.parse_known_args(argv)
 
 
 def _rollout(argv: list[str]) -> int:

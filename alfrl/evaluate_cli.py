@@ -79,11 +79,11 @@ def main(argv: list[str]) -> int:
     own.add_argument("--limit-per-split", type=_positive, default=None, help="evaluate N games of each split, spread over its task types (the same N every time)")
     own.add_argument("--out", required=True)
     own.add_argument("--overwrite", action="store_true")
-    args, rest = own.parse_known_args(argv)
-    if "-h" in rest or "--help" in rest:
+    if "-h" in argv or "--help" in argv:  # before --out is required
         own.print_help()
         print("\nand recipe options: alfrl eval --config RECIPE [--data.eval.temperature 0.01 ...]")
         return 0
+    args, rest = own.parse_known_args(argv)
 
     from alfrl.recipe import load_recipe
 

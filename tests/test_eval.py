@@ -315,3 +315,11 @@ def test_an_adapter_given_to_eval_replaces_the_warm_start_the_recipe_names(monke
         with pytest.raises(SystemExit):
             evaluate_cli.main(argv)
     assert seen[0][-2:] == ["--model.init_adapter", "null"] and "--model.init_adapter" not in seen[1]
+
+
+@pytest.mark.parametrize("command", ["eval", "expert", "rollout"])
+def test_help_of_a_subcommand_with_a_required_flag_works(command):
+    """`alfrl eval --help` (and expert's, rollout's) failed with "the following arguments are required: --out"."""
+    proc = subprocess.run([sys.executable, "-m", "alfrl.cli", command, "--help"], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith(f"usage: alfrl {command}") and "--out" in proc.stdout and "recipe options" in proc.stdout
