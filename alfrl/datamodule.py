@@ -128,7 +128,7 @@ class RolloutDataModule(L.LightningDataModule):
             out.append(f"{prefix}.group_size={args.get('group_size')} must be >= 2: advantages compare the K trajectories of a game")
         rollout = args.get("rollout")
         if isinstance(rollout, RolloutConfig):
-            if rollout.temperature <= 0:
+            if rollout.temperature == 0:  # a negative one is RolloutConfig's own problem
                 out.append(f"{prefix}.rollout.temperature={rollout.temperature}: training samples at a temperature > 0 "
                            "(the trainer scores softmax(logits / T)); greedy decoding is for data.eval")
             if rollout.top_p < 1:

@@ -109,6 +109,8 @@ def check_recipe_files(args: list[str]) -> None:
         if flag not in ("--config", "-c") or value.lstrip().startswith("{"):
             continue
         path = Path(value)
+        if path.is_dir():
+            raise RecipeError(f"--config {value} is a folder: give one recipe file in it, e.g. {path / 'tiny.yaml'}")
         if not path.is_file():
             raise RecipeError(f"--config {value}: no such recipe file (the recipes are in recipes/, e.g. recipes/tiny.yaml)")
         try:
@@ -263,7 +265,7 @@ def recipe_problems(cfg: Namespace, check_data: bool = True, check_model: bool =
     rollout_cfg: RolloutConfig = data["rollout"]
     trajectories = data.get("games_per_batch", 8) * data.get("group_size", 8)
     minibatches = _setting(model, "ppo", "minibatches", 1)
-    if rollout_cfg.context == "full" and minibatches > trajectories:
+    if rollout_cfg.context == "full" and minibatches > trajectories > 0:  # a count below 1 is reported as itself
         problems.append(f"model.ppo.minibatches={minibatches} exceeds the {trajectories} trajectories of a step "
                         "(data.games_per_batch x data.group_size): every minibatch needs at least one")
     rollout: RolloutConfig = data["rollout"]

@@ -61,6 +61,18 @@ def test_training_refuses_a_sampling_distribution_the_trainer_cannot_score():
     assert recipe_problems(cfg, check_data=False, check_model=False) == []
 
 
+def test_each_bad_value_is_reported_once_and_not_through_its_consequences(capfd):
+    """A negative temperature was reported twice and a negative group size also as a minibatch problem; a folder given as
+    --config was "no such recipe file" (issue "Nothing lost, nothing injected")."""
+    cfg = parse_recipe(["--config", "recipes/tiny.yaml", "--data.rollout.temperature", "-0.5", "--data.group_size", "-2"])
+    assert recipe_problems(cfg, check_data=False, check_model=False) == [
+        "data.group_size=-2 must be >= 2: advantages compare the K trajectories of a game",
+        "data.rollout.temperature=-0.5 must be >= 0"]
+    out = _fit(capfd, "--config", "recipes")
+    assert out.returncode != 0 and "--config recipes is a folder: give one recipe file in it, e.g. recipes/tiny.yaml" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
 def test_overrides_and_interpolation_after_overrides():
     cfg = parse_recipe(["--config", "recipes/tiny.yaml", "--model.optim.lr", "2e-6", "--trainer.default_root_dir", "runs/other"])
     assert cfg.model.optim.lr == 2e-6
