@@ -218,14 +218,17 @@ def write_results(path: Path, header: dict, records: list[dict], summary: dict |
 
 
 def _read_existing(path: Path) -> tuple[dict | None, list[dict]]:
-    """(header, game records) of an existing output; a torn last line (interrupted write) is dropped."""
+    """(header, game records) of an existing output; a torn tail (an interrupted write: a cut line, bytes that are not
+    UTF-8) is dropped, every whole record before it kept."""
     header, games = None, []
-    with open(path) as f:
-        lines = f.readlines()
+    with open(path, "rb") as f:
+        lines = f.read().split(b"\n")
     for line in lines:
         try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
+            rec = json.loads(line.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            break
+        if not isinstance(rec, dict):
             break
         if rec.get("type") == "header":
             header = rec

@@ -323,3 +323,15 @@ def test_help_of_a_subcommand_with_a_required_flag_works(command):
     proc = subprocess.run([sys.executable, "-m", "alfrl.cli", command, "--help"], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith(f"usage: alfrl {command}") and "--out" in proc.stdout and "recipe options" in proc.stdout
+
+
+def test_an_evaluation_file_whose_tail_is_not_utf8_keeps_every_whole_game(tmp_path):
+    """A file cut inside a multi-byte character (or with garbage after it) stopped the rerun with a UnicodeDecodeError
+    traceback and recovered nothing; the whole records before the torn tail are kept, as for a cut line."""
+    header = {"type": "header", "config": {"model": "x"}}
+    lines = [json.dumps(header)] + [json.dumps(r) for r in HAND_MADE[:2]]
+    path = tmp_path / "torn.jsonl"
+    path.write_bytes(("\n".join(lines) + "\n").encode() + '{"type": "game", "task": "caf\u00e9'.encode()[:-1] + b"\xff\xfe\n")
+    got_header, games, summary = read_results(path)
+    assert got_header == header and [g["game_id"] for g in games] == ["valid_seen:a", "valid_seen:b"]
+    assert summary["overall"]["games"] == 2
