@@ -85,6 +85,10 @@ def main(argv: list[str]) -> int:
         return 0
     args, rest = own.parse_known_args(argv)
 
+    if args.adapter and not Path(args.adapter).exists():  # before the recipe is read and any model loads
+        print(f"alfrl eval: --adapter {args.adapter}: no such file or folder: give a checkpoint folder (runs/NAME/checkpoints/last), "
+              "its adapter/ folder or its trainer.ckpt", file=sys.stderr)
+        return 2
     from alfrl.recipe import load_recipe
 
     if args.adapter:  # the adapter evaluated replaces whatever warm start the recipe names (a fit's init_adapter)

@@ -297,7 +297,7 @@ def test_identical_games_finds_each_games_first_different_turn():
     assert identical_games(a, b)["first_difference"]["g1"] == 0
 
 
-def test_an_adapter_given_to_eval_replaces_the_warm_start_the_recipe_names(monkeypatch):
+def test_an_adapter_given_to_eval_replaces_the_warm_start_the_recipe_names(monkeypatch, tmp_path):
     """`alfrl eval --config recipes/rl_qwen15b_from_sft.yaml --adapter RUN/checkpoints/last` on a machine without the
     recipe's warm start (runs/sft_qwen15b/...) stopped with a recipe error (H100, 2026-12-06): the evaluated adapter is
     the model's whole adapter, so the recipe's init_adapter is dropped before the recipe is checked."""
@@ -310,7 +310,7 @@ def test_an_adapter_given_to_eval_replaces_the_warm_start_the_recipe_names(monke
         raise SystemExit(0)
 
     monkeypatch.setattr(recipe, "load_recipe", stop)
-    for argv in (["--config", "recipes/rl_qwen15b_from_sft.yaml", "--adapter", "a/b", "--out", "x.jsonl"],
+    for argv in (["--config", "recipes/rl_qwen15b_from_sft.yaml", "--adapter", str(tmp_path), "--out", "x.jsonl"],
                  ["--config", "recipes/rl_qwen15b_from_sft.yaml", "--out", "x.jsonl"]):
         with pytest.raises(SystemExit):
             evaluate_cli.main(argv)
@@ -335,3 +335,12 @@ def test_an_evaluation_file_whose_tail_is_not_utf8_keeps_every_whole_game(tmp_pa
     got_header, games, summary = read_results(path)
     assert got_header == header and [g["game_id"] for g in games] == ["valid_seen:a", "valid_seen:b"]
     assert summary["overall"]["games"] == 2
+
+
+def test_a_missing_adapter_is_one_line_before_any_model_loads(capfd):
+    from alfrl.cli import main
+
+    assert main(["eval", "--config", "recipes/tiny.yaml", "--adapter", "/no/such/path", "--out", "x.jsonl"]) == 2
+    err = capfd.readouterr().err
+    assert err.strip().splitlines() == ["alfrl eval: --adapter /no/such/path: no such file or folder: give a checkpoint folder "
+                                        "(runs/NAME/checkpoints/last), its adapter/ folder or its trainer.ckpt"]
