@@ -73,7 +73,8 @@ def test_the_engine_settings_of_a_gdn_checkpoint_pick_a_prefill_kernel_that_is_i
     import sys
     import types
 
-    from alfrl import sampler
+    import torch
+
     from alfrl.sampler_config import EngineConfig, auto_gdn_prefill_backend
 
     extra = EngineConfig(kind="vllm").vllm_extra(qwen35_small_dir)
@@ -83,8 +84,8 @@ def test_the_engine_settings_of_a_gdn_checkpoint_pick_a_prefill_kernel_that_is_i
     assert EngineConfig(kind="vllm", gdn_prefill_backend="flashinfer").vllm_extra(qwen35_small_dir)["additional_config"] == {"gdn_prefill_backend": "flashinfer"}
     assert "additional_config" not in EngineConfig(kind="vllm").vllm_extra(tiny_model_dir)  # no linear attention: vLLM's own choice
     # a Hopper GPU: FlashInfer only when its SM90 kernel imported (vLLM would choose it either way)
-    monkeypatch.setattr(sampler.torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(sampler.torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
     for kernel, expected in ((None, "triton"), (object(), "flashinfer")):
         fake = types.ModuleType("flashinfer")
         fake.gdn_kernels = types.SimpleNamespace(chunk_gated_delta_rule_sm90=kernel)
