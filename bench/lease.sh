@@ -14,7 +14,7 @@
 set -uo pipefail
 cd "${ALFRL_REPO:-$(dirname "$0")/..}"
 REPO=$PWD
-# on the checkout's disk, not /tmp (the kit, the GGUF and its 3.4 GB conversion filled the H100's /tmp, 2026-12-06)
+# on the checkout's disk (the run's files in one ignored folder that later calls keep)
 W=${ALFRL_GPU_WORK:-$PWD/.gpu-work}
 OUT=${OUT:-$W/out}
 DRY=${DRY:-0}
