@@ -95,15 +95,10 @@ class PlannerLibraries:
         self.free: list = []
         self.owned: dict[int, list] = {}
         self._taking: list | None = None
-        self.loaded = 0
-        """Copies loaded from disk so far (the rest of the hand-outs were reused)."""
         fast_downward.load_lib = self.take
 
     def take(self):
-        lib = self.free.pop() if self.free else None
-        if lib is None:
-            lib = self._load()
-            self.loaded += 1
+        lib = self.free.pop() if self.free else self._load()
         if self._taking is not None:
             self._taking.append(lib)
         return lib

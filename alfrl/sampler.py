@@ -209,7 +209,6 @@ class Sampler:
         before = self.engine.counters()
         start = time.perf_counter()
         spent: dict = {}
-        config = {**config, "deterministic": self.deterministic}  # recorded in the header (and so in its hash) and the summary
         summary = run_eval(self.runner(cfg.rollout_config(self.rollout_cfg)), games, cfg, out, config, overwrite, on_game, spent)
         summary["seconds"] = time.perf_counter() - start
         c = self.engine.counters().minus(before)

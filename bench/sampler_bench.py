@@ -398,7 +398,8 @@ def main() -> None:
                     first, count = (int(x) for x in args.profile_steps.split(":"))
                     profiled, finish = profile_window(sampler.engine, first, count, args.out + ".profile.txt")
                 summary = sampler.evaluate(eval_list, args.eval_out or args.out + ".eval.jsonl", {"model_name": policy.hparams.model_name,
-                                           "adapter": args.adapter, "bench": "sampler_bench"}, cfg, overwrite=True)
+                                           "adapter": args.adapter, "bench": "sampler_bench",
+                                           "deterministic": sampler.deterministic}, cfg, overwrite=True)
                 finish()
                 report["phases"]["eval"] = {"games": len(eval_list), "seconds": summary.pop("seconds"), "overall": summary["overall"],
                                             "splits": summary["splits"], "time": summary.get("time"), "profile": profiled}
