@@ -20,6 +20,17 @@ class CheckpointSpaceError(OSError):
     """The checkpoint folder's disk is full (the message says what to change)."""
 
 
+def save_adapter(model, folder: Path) -> None:
+    """The peft ``model``'s adapter in ``folder``, its ``adapter_config.json`` byte-identical across runs: peft writes
+    ``target_modules`` in the order of a Python set, which differs from process to process."""
+    model.save_pretrained(folder)
+    config_file = folder / "adapter_config.json"
+    config = json.loads(config_file.read_text())
+    if isinstance(config.get("target_modules"), list):
+        config["target_modules"] = sorted(config["target_modules"])
+        config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
 def _follow_last(p: Path) -> Path:
     """A checkpoint folder's ``last`` file (the pointer to the newest step) -> that step's folder."""
     return p.parent / p.read_text().strip() if p.name == "last" and p.is_file() else p

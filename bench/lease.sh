@@ -2,15 +2,18 @@
 # One GPU lease as a background job, so no step is bound by a call's limit. Calls, back to back (the machine goes
 # cold 30 s after a call; a carried path exists only during its call, so `stage` copies it to /tmp):
 #   bash bench/lease.sh stage .gpu-kit/c01       # ... c07 (c01 carries install.sh), then .gpu-data
-#   bash bench/lease.sh start                    # install and games start; the job waits for the model's pieces:
-#   bash bench/lease.sh stage .gpu-model/m01     # ... m20; then the model, the rest of the expert plans and the lane (LANE=...)
-#   bash bench/lease.sh wait 540                 # until the lane is done or 540 s pass; its results and logs go to $OUT
+#   UNTIL_S=1380 bash bench/lease.sh start       # install and games start; the job waits for the model's pieces:
+#   bash bench/lease.sh stage .gpu-model/m01     # ... m20; then the model, the rest of the expert plans and the lanes
+#   bash bench/lease.sh wait 540                 # until the lanes are done or 540 s pass; results, logs and 4 shipped pieces to $OUT
+#   bash bench/lease.sh send                     # 4 more shipped pieces (adapters come back in pieces of 14 MiB, their sha256 in results)
 # .gpu-data holds json_2.1.1.tar.xz and expert.jsonl.gz with its .skipped.json (`alfrl expert --config
-# recipes/qwen15b_coder_h200.yaml`, begun on the CPU; the lease plays the games it did not reach). LANE=determinism (issue "Reproducible to the bit"): the warm start (alfrl sft on every plan), its
-# 274-game evaluation twice with data.eval.deterministic true and once false, compared by `alfrl report`; then 3-update
-# fits from it with data.rollout.deterministic true (twice) and false, their rollouts and adapters compared (FITS=0: not;
-# SFT_STEPS=N: a shorter warm start).
-# DRY=1 runs the same lane on this CPU with the tiny model (hf engine, 2 games a split) to check it before a lease.
+# recipes/qwen15b_coder_h200.yaml`, begun on the CPU; the lease plays the games it did not reach).
+# LANES (default "warmstart evals fits learn"): warmstart: alfrl sft on every plan (adapter and plans shipped); evals: its
+# 274-game evaluation with data.eval.deterministic true, false, true, compared by `alfrl report` (issue "Reproducible to
+# the bit"); fits: 3-update fits of recipes/rl_qwen15b_grpo.yaml at 4 games x 8, 20 steps, data.rollout.deterministic true
+# twice (rollouts and adapters hashed) and false; learn: the learning run of that recipe (issue "Learning at scale") until UNTIL_S seconds after `start`
+# (its last adapter shipped). SFT_STEPS=N: a shorter warm start.
+# DRY=1 runs the same lanes on this CPU with the tiny model (hf engine, 2 games a split) to check them before a lease.
 set -uo pipefail
 cd "${ALFRL_REPO:-$(dirname "$0")/..}"
 REPO=$PWD
@@ -18,7 +21,7 @@ REPO=$PWD
 W=${ALFRL_GPU_WORK:-$PWD/.gpu-work}
 OUT=${OUT:-$W/out}
 DRY=${DRY:-0}
-LANE=${LANE:-determinism}
+LANES=${LANES:-warmstart evals fits learn}
 mkdir -p "$W/logs" "$W/results" "$W/runs" "$OUT"
 RUN=$W/runs
 mkdir -p "$W/tmp"
@@ -32,15 +35,16 @@ timed() {  # timed NAME CMD...: the command's output in logs/NAME.log, its rc an
 if [ "$DRY" = 1 ]; then
   PY=${PY:-$REPO/.venv/bin/python}; export ALFWORLD_DATA=${ALFWORLD_DATA_DRY:-$REPO/.cache/alfworld} PYTHONPATH=$REPO
   TINY=${ALFRL_TINY_MODEL:-$REPO/.cache/tiny-model}
-  RL=recipes/tiny.yaml; SFT=recipes/sft_tiny.yaml; MODEL=(--model.model_name "$TINY")
-  SFT_ARGS=(--trainer.max_steps 2 --trainer.accelerator cpu); EXPERT=$REPO/runs/tiny-expert.jsonl
+  LEARN=recipes/tiny.yaml; SFT=recipes/sft_tiny.yaml; MODEL=(--model.model_name "$TINY")
+  SFT_ARGS=(--trainer.max_steps 2 --trainer.accelerator cpu); EXPERT=$REPO/runs/tiny-expert.jsonl; SFT_FAST=(--model.attn_implementation sdpa_varlen)
   EVAL=(--limit-per-split 2 --data.env.num_workers 2); FIT=(--trainer.accelerator cpu --data.env.num_workers 2 --data.games_per_batch 2)
 else
   PY=python3
   export PYTHONPATH=/tmp/site:$REPO NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
   export TRITON_CACHE_DIR=$W/cache/triton VLLM_CACHE_ROOT=$W/cache/vllm TORCHINDUCTOR_CACHE_DIR=$W/cache/inductor
-  RL=recipes/rl_qwen15b_from_sft.yaml; SFT=recipes/sft_qwen15b.yaml; MODEL=(--model.model_name "$W/qwen15b-coder-hf")
+  LEARN=recipes/rl_qwen15b_grpo.yaml; SFT=recipes/sft_qwen15b.yaml; MODEL=(--model.model_name "$W/qwen15b-coder-hf")
   SFT_ARGS=(${SFT_STEPS:+--trainer.max_steps $SFT_STEPS}); EXPERT=$W/expert.jsonl
+  SFT_FAST=(--model.attn_implementation sdpa_varlen --model.adapter_dtype bfloat16 --model.ppo.microbatch_tokens 16384)
   # alone on the GPU: 0.85 of it holds every game's KV cache (28 KiB a token, 274 x 12,000 tokens at most)
   EVAL=(--data.engine.gpu_memory_utilization 0.85 --data.env.num_workers 16); FIT=(--data.env.num_workers 16)
 fi
@@ -49,7 +53,7 @@ GGUF_SHA=cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046   # ..
 
 setup() {  # the kit and the games; then, once every model piece is staged, the model converted beside the expert plans
   if [ "$DRY" = 1 ]; then
-    [ -f "$EXPERT" ] || timed expert "${ALFRL[@]}" expert --config "$RL" "${MODEL[@]}" --trainer.accelerator cpu --limit 8 --out "$EXPERT" || return 1
+    [ -f "$EXPERT" ] || timed expert "${ALFRL[@]}" expert --config "$LEARN" "${MODEL[@]}" --trainer.accelerator cpu --limit 8 --out "$EXPERT" || return 1
     return 0
   fi
   timed install bash /tmp/wheel-stage/install.sh install /tmp/site || return 1
@@ -75,26 +79,72 @@ setup() {  # the kit and the games; then, once every model piece is staged, the 
   log "$(wc -l < "$EXPERT") expert trajectories"
 }
 
-determinism() {
-  timed sft "${ALFRL[@]}" sft --config "$SFT" "${MODEL[@]}" --data.expert_file "$EXPERT" --trainer.default_root_dir "$RUN/sft" \
-    "${SFT_ARGS[@]}" || return 1
+last_step() { echo "$1/$(cat "$1/last")"; }   # a checkpoints/ folder's newest step (its file `last` names it)
+
+ship() {  # ship FILE NAME: FILE in pieces of 14 MiB under ship/ (its sha256 in results/), for `wait` and `send` to bring back
+  [ -f "$1" ] || { log "nothing to ship at $1"; return 1; }
+  mkdir -p "$W/ship" && sha256sum "$1" | sed "s|  .*|  $2|" > "$W/results/$2.sha256" && split -b 14M -d -a 2 "$1" "$W/ship/$2.part" \
+    && log "shipping $2: $(ls "$W/ship/$2".part* | wc -l) pieces"
+}
+
+warmstart() {  # the warm start: alfrl sft on every expert plan; its adapter shipped (the next lease starts from it)
+  # the RL update's packing (varlen rows of 16K tokens) and bf16 adapter matmuls (issue "The reference recipe at full speed",
+  # item 3); the recipe's own settings if that fails
+  if ! timed sft "${ALFRL[@]}" sft --config "$SFT" "${MODEL[@]}" --data.expert_file "$EXPERT" --trainer.default_root_dir "$RUN/sft" \
+      "${SFT_ARGS[@]}" "${SFT_FAST[@]}"; then
+    rm -rf "$RUN/sft"
+    timed sft_plain "${ALFRL[@]}" sft --config "$SFT" "${MODEL[@]}" --data.expert_file "$EXPERT" --trainer.default_root_dir "$RUN/sft" \
+      "${SFT_ARGS[@]}" || return 1
+  fi
+  cp "$RUN/sft"/csv/version_0/metrics.csv "$W/results/sft.metrics.csv" 2>/dev/null
+  gzip -c "$EXPERT" > "$W/expert.jsonl.gz" && cp "$EXPERT.skipped.json" "$W/results/" && ship "$W/expert.jsonl.gz" a_expert.jsonl.gz
+  local last; last=$(last_step "$RUN/sft/checkpoints") || return 1
+  ship "$last/adapter/adapter_model.safetensors" b_sft_adapter.safetensors
+  cp "$last/adapter/adapter_config.json" "$W/results/sft_adapter_config.json"
+}
+
+evals() {  # the warm start's 274 games: deterministic, not, deterministic again (issue "Reproducible to the bit")
   local adapter=$RUN/sft/checkpoints/last
-  for name in det_a det_b nondet; do
+  for name in det_a nondet det_b; do
     local extra=(); [ "$name" = nondet ] && extra=(--data.eval.deterministic false)
-    timed "eval_$name" "${ALFRL[@]}" eval --config "$RL" "${MODEL[@]}" --adapter "$adapter" "${EVAL[@]}" "${extra[@]}" \
+    timed "eval_$name" "${ALFRL[@]}" eval --config "$LEARN" "${MODEL[@]}" --adapter "$adapter" "${EVAL[@]}" "${extra[@]}" \
       --out "$RUN/$name.jsonl"
     cp "$RUN/$name.summary.json" "$W/results/" 2>/dev/null; grep -h "evaluation time\|in engine steps" "$W/logs/eval_$name.log" >> "$W/results/eval_times.txt"
   done
   timed report "${ALFRL[@]}" report "$RUN/det_a.jsonl" "$RUN/det_b.jsonl" "$RUN/nondet.jsonl" --names det_a det_b nondet --out "$W/results/report"
-  [ "${FITS:-1}" = 1 ] || return 0   # FITS=0: the evaluations only
+  gzip -c "$RUN/det_a.jsonl" > "$W/det_a.jsonl.gz" && ship "$W/det_a.jsonl.gz" c_warmstart_det.jsonl.gz
+}
+
+fits() {  # 3-update fits from the warm start (4 games x 8, 20 steps: the lease's time), the same seed: deterministic twice
+  # (rollouts and adapters hashed), then not (the step's time against it)
   for name in fit_det_a fit_det_b fit_nondet; do
     local flag=true; [ "$name" = fit_nondet ] && flag=false
-    timed "$name" "${ALFRL[@]}" fit --config "$RL" "${MODEL[@]}" --model.init_adapter "$adapter" "${FIT[@]}" \
-      --data.rollout.deterministic $flag --data.save_rollouts true --trainer.max_steps 3 --checkpoint.save_every 3 \
-      --trainer.default_root_dir "$RUN/$name"
+    timed "$name" "${ALFRL[@]}" fit --config "$LEARN" "${MODEL[@]}" --model.init_adapter "$RUN/sft/checkpoints/last" "${FIT[@]}" \
+      --data.games_per_batch 4 --data.rollout.max_episode_steps 20 --data.rollout.deterministic $flag --data.save_rollouts true \
+      --trainer.max_steps 3 --checkpoint.save_every 3 --periodic_eval.every_n_steps 0 --trainer.default_root_dir "$RUN/$name"
     cp "$RUN/$name"/csv/version_0/metrics.csv "$W/results/$name.metrics.csv" 2>/dev/null
     (cd "$RUN/$name" && sha256sum rollouts/* checkpoints/step-000003/adapter/* > "$W/results/$name.sha256" 2>/dev/null)
   done
+}
+
+learn() {  # the learning run, stopped by max_time
+  local left=$(( ${UNTIL:-0} - $(date +%s) - 100 ))   # one update and a save after the time is up
+  [ "$left" -ge 150 ] || { log "learn: $left s left, not started"; return 0; }
+  timed learn "${ALFRL[@]}" fit --config "$LEARN" "${MODEL[@]}" --model.init_adapter "$RUN/sft/checkpoints/last" "${FIT[@]}" \
+    --trainer.max_time "00:00:$(( left / 60 )):$(( left % 60 ))" --trainer.default_root_dir "$RUN/learn"
+  cp "$RUN/learn"/csv/version_0/metrics.csv "$W/results/learn.metrics.csv" 2>/dev/null
+  local last; last=$(last_step "$RUN/learn/checkpoints") && log "learn: last checkpoint $last" || return 1
+  cp "$last/adapter/adapter_config.json" "$W/results/learn_adapter_config.json" 2>/dev/null
+  ship "$last/adapter/adapter_model.safetensors" "d_learn_$(basename "$last")_adapter.safetensors"
+}
+
+send() {  # up to 4 shipped pieces (56 MiB; $OUT takes 8 files, 64 MiB) into $OUT, first name first; each piece goes once
+  local n=0 f
+  for f in $(ls "$W/ship"/*.part* 2>/dev/null | sort); do
+    [ "$n" -lt "${1:-4}" ] || break
+    mv "$f" "$OUT/" && n=$(( n + 1 ))
+  done
+  echo "sent $n pieces; $(ls "$W/ship"/*.part* 2>/dev/null | wc -l) left"
 }
 
 pack() {  # results and the logs' ends into $OUT (8 files at most)
@@ -115,15 +165,17 @@ case "${1:-}" in
     rm -rf "$W/repo" && mkdir -p "$W/repo" && tar -c --exclude=./.git --exclude='./.gpu-*' --exclude=./.venv --exclude=./.cache \
       --exclude=./runs . | tar -x -C "$W/repo" && cp "$0" "$W/lease.sh" || exit 1
     [ "$DRY" = 1 ] && ln -s "$REPO/.venv" "$W/repo/.venv"
-    ALFRL_REPO=$W/repo ALFRL_GPU_WORK=$W LANE=$LANE DRY=$DRY FITS=${FITS:-1} SFT_STEPS=${SFT_STEPS:-} setsid nohup bash "$W/lease.sh" _run > "$W/logs/job.log" 2>&1 < /dev/null &
-    log "started $LANE" ;;
+    ALFRL_REPO=$W/repo ALFRL_GPU_WORK=$W LANES="$LANES" DRY=$DRY SFT_STEPS=${SFT_STEPS:-} UNTIL=$(( $(date +%s) + ${UNTIL_S:-1380} )) \
+      setsid nohup bash "$W/lease.sh" _run > "$W/logs/job.log" 2>&1 < /dev/null &
+    log "started: $LANES" ;;
   _run)
-    { setup && "$LANE"; } ; touch "$W/done"; log "done" ;;
+    if setup; then for lane in $LANES; do "$lane" || log "$lane failed"; done; fi; touch "$W/done"; log "done" ;;
+  send) send "${2:-4}"; pack ;;
   wait)
     end=$(( $(date +%s) + ${2:-540} ))
     [ -f "$W/logs/job.log" ] || { echo "wait: nothing started on this machine (a fresh one?)" >&2; exit 1; }
     while [ "$(date +%s)" -lt "$end" ] && [ ! -f "$W/done" ]; do sleep 5; done
-    pack; tail -n 20 "$W/logs/lease.log"; cat "$W/results/times.txt" 2>/dev/null
+    send 4; pack; tail -n 20 "$W/logs/lease.log"; cat "$W/results/times.txt" 2>/dev/null
     [ -f "$W/done" ] && echo "all done" ;;
   *) sed -n 2,12p "$0"; exit 2 ;;
 esac

@@ -30,7 +30,7 @@ import lightning as L
 import numpy as np
 import torch
 
-from alfrl.checkpoints import CKPT_FILE, CheckpointSpaceError, save_merged_model
+from alfrl.checkpoints import CKPT_FILE, CheckpointSpaceError, save_adapter, save_merged_model
 
 
 class Checkpointing(L.Callback):
@@ -81,7 +81,7 @@ class Checkpointing(L.Callback):
         try:
             trainer.save_checkpoint(tmp / CKPT_FILE)  # every rank takes part; rank 0 writes
             if trainer.is_global_zero:
-                policy.model.save_pretrained(tmp / "adapter")
+                save_adapter(policy.model, tmp / "adapter")
                 if self.save_merged:
                     save_merged_model(policy, tmp / "merged")
         except OSError as e:
