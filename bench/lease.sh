@@ -12,7 +12,7 @@
 # 274-game evaluation with data.eval.deterministic true, false, true, compared by `alfrl report` (issue "Reproducible to
 # the bit"); fits: 3-update fits of recipes/rl_qwen15b_grpo.yaml at 4 games x 8, 20 steps, data.rollout.deterministic true
 # twice (rollouts and adapters hashed) and false; learn: the learning run of that recipe (issue "Learning at scale") until UNTIL_S seconds after `start`
-# (its last adapter shipped). SFT_STEPS=N: a shorter warm start.
+# (its last adapter shipped). SFT_STEPS=N: a shorter warm start; EVALS="det_a det_b": those evaluations only.
 # DRY=1 runs the same lanes on this CPU with the tiny model (hf engine, 2 games a split) to check them before a lease.
 set -uo pipefail
 cd "${ALFRL_REPO:-$(dirname "$0")/..}"
@@ -105,14 +105,15 @@ warmstart() {  # the warm start: alfrl sft on every expert plan; its adapter shi
 
 evals() {  # the warm start's 274 games: deterministic, not, deterministic again (issue "Reproducible to the bit")
   local adapter=$RUN/sft/checkpoints/last
-  for name in det_a nondet det_b; do
+  for name in ${EVALS:-det_a nondet det_b}; do
     local extra=(); [ "$name" = nondet ] && extra=(--data.eval.deterministic false)
     timed "eval_$name" "${ALFRL[@]}" eval --config "$LEARN" "${MODEL[@]}" --adapter "$adapter" "${EVAL[@]}" "${extra[@]}" \
       --out "$RUN/$name.jsonl"
     cp "$RUN/$name.summary.json" "$W/results/" 2>/dev/null; grep -h "evaluation time\|in engine steps" "$W/logs/eval_$name.log" >> "$W/results/eval_times.txt"
   done
-  timed report "${ALFRL[@]}" report "$RUN/det_a.jsonl" "$RUN/det_b.jsonl" "$RUN/nondet.jsonl" --names det_a det_b nondet --out "$W/results/report"
   gzip -c "$RUN/det_a.jsonl" > "$W/det_a.jsonl.gz" && ship "$W/det_a.jsonl.gz" c_warmstart_det.jsonl.gz
+  local names=(); for name in det_a det_b nondet; do [ -f "$RUN/$name.summary.json" ] && names+=("$name"); done
+  timed report "${ALFRL[@]}" report $(for n in "${names[@]}"; do echo "$RUN/$n.jsonl"; done) --names "${names[@]}" --out "$W/results/report"
 }
 
 fits() {  # 3-update fits from the warm start (4 games x 8, 20 steps: the lease's time), the same seed: deterministic twice
@@ -165,7 +166,7 @@ case "${1:-}" in
     rm -rf "$W/repo" && mkdir -p "$W/repo" && tar -c --exclude=./.git --exclude='./.gpu-*' --exclude=./.venv --exclude=./.cache \
       --exclude=./runs . | tar -x -C "$W/repo" && cp "$0" "$W/lease.sh" || exit 1
     [ "$DRY" = 1 ] && ln -s "$REPO/.venv" "$W/repo/.venv"
-    ALFRL_REPO=$W/repo ALFRL_GPU_WORK=$W LANES="$LANES" DRY=$DRY SFT_STEPS=${SFT_STEPS:-} UNTIL=$(( $(date +%s) + ${UNTIL_S:-1380} )) \
+    ALFRL_REPO=$W/repo ALFRL_GPU_WORK=$W LANES="$LANES" DRY=$DRY SFT_STEPS=${SFT_STEPS:-} EVALS="${EVALS:-}" UNTIL=$(( $(date +%s) + ${UNTIL_S:-1380} )) \
       setsid nohup bash "$W/lease.sh" _run > "$W/logs/job.log" 2>&1 < /dev/null &
     log "started: $LANES" ;;
   _run)
