@@ -554,7 +554,7 @@ class EnvConfig:
     """Reset the next training step's environments as soon as a rollout ends (the workers are idle while the update and
     the sync run), so the next rollout's groups start without waiting for their resets (``Sampler.prefetch``). On the H200
     (16 workers) every group then started within 0.011 s and half of the trajectories had ended at 6.75-8.00 s against
-    10.97-13.47 s (not pairs; bench/leases/2026-12-04b.md), so it is on in the 1.5B RL recipes; on the 2-core development
+    10.97-13.47 s (not pairs; raw-results-2026-12-06:bench/leases/2026-12-04b.md), so it is on in the 1.5B RL recipes; on the 2-core development
     machine the resets slowed the CPU update more than they saved."""
 
     def problems(self, prefix: str = "data.env") -> list[str]:

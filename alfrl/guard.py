@@ -1,6 +1,6 @@
 """The trainer's memory, checked across the work that computes none of it: the rollout and the weight sync.
 
-A colocated vLLM engine runs in the trainer's process and CUDA context. On the H200 (bench/leases/2026-12-02i.md)
+A colocated vLLM engine runs in the trainer's process and CUDA context. On the H200 (raw-results-2026-12-06:bench/leases/2026-12-02i.md)
 every 1.5B fit with vLLM's CUDA graphs and the LoRA adapter served ended with 3-4 of the trainer's own LoRA tensors
 NaN after its second update, while the update's gradients were finite (a non-finite gradient skips the optimizer
 step) and the same fits eager, or compiled without graphs, ran clean. Something wrote into the trainer's memory.
@@ -9,7 +9,7 @@ step) and the same fits eager, or compiled without graphs, ran clean. Something 
 after an update and compares it before the next: the rollout, the sync and evaluation in between change none of them.
 A difference stops the run at once, naming the tensors, instead of an update later as a NaN. A change that leaves
 every sum bit-identical escapes it. About 1,500 small sums for the 1.5B model: 0.09-0.11 s a fit's first step on the
-H200 (bench/leases/2026-12-03a.md); a take and a check on the step's path cost 0.165-0.380 s per update in the 2026-12-04
+H200 (raw-results-2026-12-06:bench/leases/2026-12-03a.md); a take and a check on the step's path cost 0.165-0.380 s per update in the 2026-12-04
 fits (g, h, i: ``train/memory_guard_seconds``, the sum so far).
 
 The training step guards only with an engine whose ``guard_trainer_memory`` is true: vLLM's engine core in this process

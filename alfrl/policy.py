@@ -197,7 +197,7 @@ class AlfrlPolicy(L.LightningModule):
                 log.warning("linear-attention layers: %s (%s)", self.linear_attention.kernel, self.linear_attention.reason)
             if self.compiled:
                 log.warning("model.compile_layers: %d modules (%s) compile in this first update: expect it to "
-                            "take about a minute longer (57.65 s more on an H200 for the 1.5B model, bench/leases/2026-12-04f.md)",
+                            "take about a minute longer (57.65 s more on an H200 for the 1.5B model, raw-results-2026-12-06:bench/leases/2026-12-04f.md)",
                             self.compiled[0], ", ".join(self.compiled[1]))
 
     def trainable_parameters(self) -> list[torch.nn.Parameter]:

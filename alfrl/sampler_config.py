@@ -61,10 +61,10 @@ class EngineConfig:
     """vLLM: its engine core (scheduler, model runner, CUDA graphs) in a process of its own, which steps the GPU while this
     process handles environments, outputs and the update (in this process both share one Python thread's time and the GIL:
     on the H200 a rollout spent 11-23% of its time outside engine steps, and its steps ran 1.20x longer beside the update
-    of finished groups; bench/leases/2026-12-03g.md). The adapter reaches it as a peft folder (in /dev/shm) through
+    of finished groups; raw-results-2026-12-06:bench/leases/2026-12-03g.md). The adapter reaches it as a peft folder (in /dev/shm) through
     vLLM's ``add_lora``. Needs ``weight_sync: lora`` and no ``sleep_mode``. On the H200 its rollouts
     generated 1.28x / 1.18x more tokens a second than in-process (20.05 / 24.96 s against 25.22 / 29.24 s, not pairs), the
-    same turns replayed by the engine alone 1.13x slower (bench/leases/2026-12-03h.md); its first fit's steps 27.640 s on
+    same turns replayed by the engine alone 1.13x slower (raw-results-2026-12-06:bench/leases/2026-12-03h.md); its first fit's steps 27.640 s on
     average against 33.658 s (4 + 4 updates, not pairs; 2026-12-04a), so on in the 1.5B RL recipes."""
     prefix_caching: bool = True
     """vLLM: reuse the KV cache of prompt prefixes seen before (every turn's history; Qwen3.5's linear-attention

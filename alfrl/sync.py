@@ -108,7 +108,7 @@ class WeightSync:
         self.engine.wake_up()
         # scored now, not taken from ``check_engine``'s score after the rollout: on the H200 that one differed from the
         # score right after the sync before it (``engine/probe_drift`` up to 0.206 with no push between, 2026-12-04 fits),
-        # while two scores at a sync came out bit-identical (the canary caught, bench/leases/2026-12-02e.md), which the
+        # while two scores at a sync came out bit-identical (the canary caught, raw-results-2026-12-06:bench/leases/2026-12-02e.md), which the
         # "did not move at all" check below needs
         before = self._score(f"before pushing weight version {policy.weight_version}") \
             if self.check and not self.engine.shares_policy else None

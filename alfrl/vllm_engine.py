@@ -316,7 +316,7 @@ class VLLMEngine:
 
         Not ``prompt_logprobs``: in vLLM 0.26 the LoRA logits of prompt log-probs use a mapping of one row per
         request for rows of one per prompt token (vllm-project/vllm#51594, #53842: wrong logits, "CUDA memory
-        access errors"). On the H200 this scoring ran in four fits (bench/leases/2026-12-02i.md): gaps 0.032-0.040,
+        access errors"). On the H200 this scoring ran in four fits (raw-results-2026-12-06:bench/leases/2026-12-02i.md): gaps 0.032-0.040,
         as prompt log-probs gave; the graph fits' fault (the trainer's weights NaN) came with either scoring."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt

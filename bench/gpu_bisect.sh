@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Two-update `alfrl fit` runs of the 1.5B recipe on the H200, one after another, each at a commit's own code and recipe
-# (or this checkout), with its own overrides and environment: for the engine fault of bench/leases/2026-12-02f.md and
+# (or this checkout), with its own overrides and environment: for the engine fault of raw-results-2026-12-06:bench/leases/2026-12-02f.md and
 # 2026-12-02g.md (NaN probe at the second sync, or a CUDA illegal memory access at the first probe scoring; at 050d7ce
 # too, which had run clean on 2026-12-01, so not a regression of this repository's code since). Runs on the model and
 # games `bench/gpu_campaign.sh start` prepared.

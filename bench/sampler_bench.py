@@ -32,7 +32,7 @@ Phases (figures into one JSON; each phase's errors are recorded, the others stil
   LoRA costs per engine step where a rollout's tail runs (a few rows) and where its bulk does.
 - pushes: a fit's weight sync (the adapter gathered, written, loaded by the engine, probed) alone and right after the
   next rollout's resets were submitted (``Sampler.prefetch``: every worker resetting, as in a fit's prefetched window),
-  alternating, ``--pushes`` of each: where a fit's adapter loads ran long (bench/leases/2026-12-04i.md).
+  alternating, ``--pushes`` of each: where a fit's adapter loads ran long (raw-results-2026-12-06:bench/leases/2026-12-04i.md).
 
 ``--dry`` runs the phases that need no vLLM on the CPU with the recipe's HF engine (tiny model).
 """

@@ -1,6 +1,6 @@
 """The update's variants alone on the GPU: no engine, no games, no kit (torch, transformers, peft and lightning only).
 
-    PYTHONPATH=. python bench/update_alone.py --config bench/results/2026-12-03d/model_config.json --out upd.json \
+    PYTHONPATH=. python bench/update_alone.py --config raw-results-2026-12-06:bench/results/2026-12-03d/model_config.json --out upd.json \
         --variants varlen_rows32768_bf16_compiled varlen_rows32768_bf16_compiled_cudnn
 
 A model of the config's shape with random weights (saved to a temporary folder, loaded as the trainer loads a checkpoint),
@@ -33,7 +33,7 @@ def synthetic_samples(n: int, low: int, high: int, vocab: int, seed: int = 0, tu
     tokens make ``share`` of the rest (the others prompt and tool responses); advantages +1 / -1 by sequence so every trained token has a gradient."""
     from alfrl.types import Sample
 
-    rng = random.Random(seed)  # one stream for tokens, lengths and turns: the samples of bench/leases/2026-12-03d.md
+    rng = random.Random(seed)  # one stream for tokens, lengths and turns: the samples of raw-results-2026-12-06:bench/leases/2026-12-03d.md
     samples = []
     for i in range(n):
         length = rng.randint(low, high)

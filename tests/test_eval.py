@@ -255,27 +255,6 @@ def test_report_training_curves_merge_a_resumed_run(tmp_path):
         training_rows([str(tmp_path / "report")])
 
 
-def test_fit_table_reads_an_older_fits_wall_clock_from_vllms_swap_stamps(tmp_path):
-    """bench/fit_table.py --vllm-log: a fit logged before step/seconds gets its wall clock from the engine core's stamp of
-    each sync's prefix-cache reset (to the second): updates 1..n against their three parts, the span known within 1 s."""
-    from tests.helpers import load_bench
-
-    fit_table = load_bench("fit_table")
-    header = "epoch,rollout/reward_mean,step,rollout/seconds,train/update_seconds,sync/total_seconds\n"
-    csv_file = tmp_path / "fit.metrics.csv"
-    csv_file.write_text(header + "0,0.1,0,60.0,10.0,1.0\n0,0.1,1,20.0,3.0,0.5\n0,0.1,2,18.0,2.5,0.5\n")
-    stamp = "(EngineCore pid=1) INFO 12-04 23:59:{:02d} [block_pool.py:790] Successfully reset prefix cache\n"
-    log = tmp_path / "fit.log"
-    log.write_text(stamp.format(1) + "noise\n" + stamp.format(13) + stamp.format(38)
-                   + "(EngineCore pid=1) INFO 12-05 00:00:00 [block_pool.py:790] Successfully reset prefix cache\n")
-    # after update 0 at 23:59:13, then 25 s and 22 s: 47 s (within 1 s) for parts of 23.5 + 21.0 s
-    assert fit_table.log_walls(str(log), str(csv_file)) == (
-        "updates 1-2: wall 47 s (within 1 s), a mean of 23.000-24.000 s a step (each to the second: 25/22); their three parts "
-        "22.250 s a step; other 0.750-1.750 s a step")
-    log.write_text(stamp.format(1) + stamp.format(13))
-    assert fit_table.log_walls(str(log), str(csv_file)) == "2 swap stamps for 3 updates: no wall clock from this log"
-
-
 def test_identical_games_finds_each_games_first_different_turn():
     """alfrl report's "games played identically": every turn's text, action and token counts, and the same stop."""
     from alfrl.report import identical_games

@@ -13,7 +13,7 @@ from alfrl.chat import chat_format
 from alfrl.envs import EnvPool
 from alfrl.rewards import RewardConfig
 from alfrl.rollout import RolloutConfig, RolloutRunner, rollout_metrics
-from tests.helpers import LatencyEngine, OneTokenCore, ScriptedEngine, load_bench
+from tests.helpers import LatencyEngine, ScriptedEngine
 
 GAME = "valid_seen:look_at_obj_in_light-AlarmClock-None-DeskLamp-323/trial_T20190909_044715_250790"
 LOOKS = [["look"] * 6 for _ in range(4)]
@@ -237,59 +237,6 @@ def test_each_finished_group_is_handed_over_with_its_index_while_the_rollout_pla
     # game 0's group was handed over before game 1 (one game at a time) asked for its first turn
     handed_0 = runner.trace.index(("group", 0, -1, -1))
     assert handed_0 < next(i for i, e in enumerate(runner.trace) if e[0] == "request" and e[1] == 1)
-
-
-def test_the_replay_ceiling_plays_each_trajectorys_recorded_turns_back_to_back(tmp_path):
-    """bench/replay_ceiling.py on a stand-in engine that decodes one token per step: every turn's recorded prompt
-    (the tokens before its sampled span) with its recorded length forced; a trajectory's next turn goes in as soon
-    as its last one ends, so a short trajectory is not held back by a long one (no rounds)."""
-    from types import SimpleNamespace
-
-    from alfrl.types import TokenSequence
-
-    rc = load_bench("replay_ceiling")
-
-    def full(ids, spans):  # one full-history sequence: turn i's span (start, end)
-        return SimpleNamespace(sequences=(TokenSequence(tuple(ids), (0.0,) * len(ids), tuple((i, s, e) for i, (s, e) in enumerate(spans))),))
-
-    long = full(range(100, 120), [(3, 13), (15, 20)])  # turns of 10 and 5 tokens
-    short = full(range(200, 212), [(2, 4), (6, 8), (9, 11)])  # three turns of 2 tokens
-    windowed = SimpleNamespace(sequences=(TokenSequence((7, 8, 9), (0.0,) * 3, ((0, 2, 3),)),
-                                          TokenSequence((7, 8, 9, 5, 6), (0.0,) * 5, ((1, 4, 5),))))
-    assert rc.turn_requests(long) == [(tuple(range(100, 103)), 10), (tuple(range(100, 115)), 5)]
-    assert rc.turn_requests(windowed) == [((7, 8), 1), ((7, 8, 9, 5), 1)]
-
-    core = OneTokenCore()
-    out = rc.replay(core, [long, short, windowed], make_params=lambda n: n)
-    assert out["turns"] == 7 and out["generated_tokens"] == 10 + 5 + 2 * 3 + 1 + 1
-    assert sorted(core.seen) == sorted(rc.turn_requests(long) + rc.turn_requests(short) + rc.turn_requests(windowed))
-    # the short trajectory's three turns all went in before the long one's second (its first takes 10 steps)
-    assert out["order"].index((1, 2)) < out["order"].index((0, 1))
-    assert out["engine_steps"] == 15  # the long trajectory's 10 + 5 tokens, the others inside them
-    # the issue's ceiling on the same driver: each group's sequences share a start, every next prompt is the last one + its
-    # sampled tokens + the appended ones, every turn exactly the sampled count
-    core = OneTokenCore()
-    out = rc.ceiling(core, make_params=lambda n: n, groups=2, group_size=2, start_tokens=5, turns=3, sampled=4, appended=2)
-    assert out["turns"] == 12 and out["generated_tokens"] == 48 and out["engine_steps"] == 12
-    assert sorted(len(p) for p, _ in core.seen) == [5] * 4 + [11] * 4 + [17] * 4 and {n for _, n in core.seen} == {4}
-    firsts = [p for p, _ in core.seen[:4]]
-    assert firsts[0] == firsts[1] != firsts[2] == firsts[3]
-    later = [p for p, _ in core.seen if len(p) == 11]
-    assert all(p[5:9] == (1, 1, 1, 1) for p in later)  # the sampled tokens went back into the history
-    # served: every replayed request carries the adapter the rollout's requests carried
-    class LoraCore(OneTokenCore):
-        def add_request(self, rid, prompt, n, lora_request=None):
-            self.loras = getattr(self, "loras", []) + [lora_request]
-            super().add_request(rid, prompt, n)
-
-    core = LoraCore()
-    out = rc.replay(rc._Served(core, "adapter-1"), [long, short], make_params=lambda n: n)
-    assert out["turns"] == 5 and core.loras == ["adapter-1"] * 5
-
-    # saved and loaded (another process's engine replays the same turns): the same requests
-    rc.save_turns([long, short, windowed], str(tmp_path / "turns.json.gz"))
-    loaded = rc.load_turns(str(tmp_path / "turns.json.gz"))
-    assert [rc.turn_requests(t) for t in loaded] == [rc.turn_requests(t) for t in (long, short, windowed)]
 
 
 def test_prefetched_resets_are_played_by_the_next_rollout_of_those_games_and_dropped_by_anything_else(valid_games, fmt):

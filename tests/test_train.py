@@ -10,7 +10,6 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers import load_bench
 
 REPO = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow
@@ -71,21 +70,6 @@ def test_make_train_runs_the_tiny_recipe(tmp_path, data_dir, tiny_model_dir):
     assert [float(r["engine/probe_drift"]) for r in rows] == [0.0, 0.0]
     # the HF engine's copy has the trainer's weights: sampler and trainer log-probs agree
     assert abs(float(rows[0]["train/sampler_minus_trainer_logprob"])) < 1e-3
-    # bench/fit_table.py reads this log as the leases do: the step's three parts, truncated (never rounded up)
-    fit_table = load_bench("fit_table")
-    (csv_file,) = root.glob("csv/version_*/metrics.csv")
-    steps = [float(r["rollout/seconds"]) + float(r["train/update_seconds"]) + float(r["sync/total_seconds"]) for r in rows]
-    assert len(fit_table.updates(str(csv_file))) == 2
-    assert fit_table.line(str(csv_file)).startswith(f"steps s {'/'.join(fit_table.truncated(s, 3) for s in steps)} (mean ")
-    syncs = "/".join(fit_table.truncated(float(r["sync/total_seconds"]), 2) for r in rows)
-    assert f"; sync s {syncs}; load s -/-; groups started s " in fit_table.line(str(csv_file))  # no engine process here: no load
-    walls = "/".join(fit_table.truncated(float(r["step/seconds"]), 3) for r in rows)
-    others = "/".join(fit_table.truncated(float(r["step/seconds"]) - s, 3) for r, s in zip(rows, steps))
-    probes = "/".join(fit_table.truncated(float(r["engine/probe_seconds"]), 3) for r in rows)  # a part of other
-    assert f"; wall s {walls} (mean " in fit_table.line(str(csv_file)) and f"; other s {others}; probe s {probes}; longest " in fit_table.line(str(csv_file))
-    assert "| step s | wall s | other s |" in fit_table.table([str(csv_file)]) and " probe s |" in fit_table.table([str(csv_file)])
-    assert all(float(r["step/seconds"]) - s > float(r["engine/probe_seconds"]) > 0 for r, s in zip(rows, steps))
-    assert fit_table.truncated(0.29, 2) == "0.29" and fit_table.truncated(26.9629, 3) == "26.962" and fit_table.truncated(51622.0, 0) == "51,622"
 
 
 def _fit(root: Path, data_dir: str, model: str, *extra: str, logger: bool = False) -> None:
