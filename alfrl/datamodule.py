@@ -24,11 +24,11 @@ from alfrl.engines import EngineCounters
 from alfrl.evaluation import EvalConfig
 from alfrl.games import DataError, Game, fingerprint, scan_games, shuffled
 from alfrl.rewards import RewardConfig
-from alfrl.rollout import RolloutConfig, rollout_metrics
+from alfrl.rollout import RolloutConfig, RolloutStats, rollout_metrics
 from alfrl.sampler import Sampler
 from alfrl.envs import EnvConfig
 from alfrl.sampler_config import EngineConfig
-from alfrl.types import RolloutProgress, RolloutStats, Sample, TrajectoryGroup
+from alfrl.types import RolloutProgress, Sample, TrajectoryGroup
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ step 3, the ``SamplerWeightSync`` callback step 4):
 
 1. rollout: the Sampler plays this step's games with the current weights (grouped trajectories);
 2. advantages -> samples: ``make_samples`` scores each group and cuts per-token tensors, already shifted;
-3. update: PPO-clip over packed micro-batches with a minibatch-level normalizer, AdamW on the LoRA;
+3. update: ``alfrl.ppo.ppo_update``, PPO-clip over packed micro-batches with a minibatch-level normalizer, AdamW on the LoRA;
 4. sync: the new adapter goes to the sampler, counted and probed.
 
 ``trainer.max_steps`` counts these rollout+update steps (one Lightning step each, however many
@@ -15,11 +15,9 @@ PPO epochs and minibatches).
 from __future__ import annotations
 
 import logging
-import math
-import random
-import time
 from collections.abc import Iterator
 from contextlib import nullcontext
+from dataclasses import dataclass
 
 import lightning as L
 import torch
@@ -27,14 +25,63 @@ import torch
 from alfrl.guard import MemoryGuard, allocate_optimizer_state
 from alfrl.linear_attention import KERNELS
 from alfrl.logprobs import causal_lm_of, predicted_logprobs, sequence_logprobs
-from alfrl.ppo import LoRAConfig, MicroBatch, OptimizerConfig, PPOConfig, collate, pack_microbatches
+from alfrl.ppo import MicroBatch, PPOConfig, collate, pack_microbatches, ppo_update
 from alfrl.types import Sample
-from alfrl.update import Totals, UpdateStart, backward_rows, summary
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 MATMUL_PRECISIONS = ("highest", "high", "medium")
 ADAPTER_DTYPES = ("float32", "bfloat16")
 log = logging.getLogger("alfrl")
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """The adapter trained on the frozen base model."""
+
+    rank: int = 32
+    alpha: int = 64
+    """Scaling = alpha / rank."""
+    dropout: float = 0.0
+    target_modules: str | list[str] = "all-linear"
+    """``all-linear`` (every linear layer but the output layer, of every layer kind) or module names."""
+
+    def problems(self, prefix: str = "model.lora") -> list[str]:
+        out = []
+        if self.rank < 1:
+            out.append(f"{prefix}.rank={self.rank} must be >= 1")
+        if self.alpha <= 0:
+            out.append(f"{prefix}.alpha={self.alpha} must be > 0")
+        if not 0 <= self.dropout < 1:
+            out.append(f"{prefix}.dropout={self.dropout} must be in [0, 1)")
+        if not self.target_modules:
+            out.append(f"{prefix}.target_modules is empty: all-linear or a list of module names")
+        return out
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """AdamW on the LoRA weights."""
+
+    lr: float = 1e-6
+    betas: tuple[float, float] = (0.9, 0.95)
+    weight_decay: float = 0.0
+    eps: float = 1e-8
+    grad_clip_norm: float = 1.0
+    """Clip the LoRA gradient norm to this (0 = no clipping)."""
+
+    def problems(self, prefix: str = "model.optim") -> list[str]:
+        out = []
+        if self.lr <= 0:
+            out.append(f"{prefix}.lr={self.lr}: the learning rate must be > 0")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            out.append(f"{prefix}.betas={list(self.betas)}: two numbers in [0, 1), e.g. [0.9, 0.95]")
+        if self.weight_decay < 0:
+            out.append(f"{prefix}.weight_decay={self.weight_decay} must be >= 0")
+        if self.eps <= 0:
+            out.append(f"{prefix}.eps={self.eps} must be > 0")
+        if self.grad_clip_norm < 0:
+            out.append(f"{prefix}.grad_clip_norm={self.grad_clip_norm} must be >= 0 (0 turns clipping off)")
+        return out
 
 
 def lora_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -324,7 +371,7 @@ class AlfrlPolicy(L.LightningModule):
         batch, _, _ = next(dataloader_iter)  # steps 1-2: the rollout, its advantages and samples
         if guarded:
             self.guard.check(self.model, optimizer, "the rollout and the weight sync since the last update")
-        stats = self.update(batch.samples, temperature=batch.temperature)  # step 3
+        stats = ppo_update(self, self.optimizers(), batch.samples, batch.temperature)  # step 3
         if guarded:
             self.guard.take(self.model, optimizer)
             stats["memory_guard_seconds"] = self.guard.seconds
@@ -334,123 +381,6 @@ class AlfrlPolicy(L.LightningModule):
         self.log_dict({k: v for k, v in metrics.items() if k not in shown}, on_step=True, batch_size=1)
         self.log_dict({k: metrics[k] for k in shown if k in metrics}, on_step=True, prog_bar=True, batch_size=1)
         return None  # step 4, the sync, is the SamplerWeightSync callback's
-
-    def _throughput(self, samples: list[Sample], old: list[torch.Tensor], seconds: float) -> dict[str, float]:
-        """The update's model TFLOP/s (6N, ``alfrl.models.update_flops``), and over the GPU's bf16 peak where it is known."""
-        from alfrl.models import parameter_counts, peak_bf16_tflops, update_flops
-
-        self._flop_counts = self._flop_counts or parameter_counts(self.model)
-        flops = update_flops(*self._flop_counts, sum(len(s) for s in samples), sum(int(o.numel()) for o in old), self.ppo.epochs,
-                             bool(self.hparams.gradient_checkpointing), self.ppo.old_logprobs == "recompute")
-        out = {"model_tflops": flops / max(seconds, 1e-9) / 1e12}
-        peak = peak_bf16_tflops(torch.cuda.get_device_name(self.device)) if self.device.type == "cuda" else None
-        return {**out, "mfu": out["model_tflops"] / peak} if peak else out
-
-    def update(self, samples: list[Sample], optimizer: torch.optim.Optimizer | None = None, temperature: float = 1.0) -> dict[str, float]:
-        """PPO-clip epochs over ``samples``; returns the step's statistics.
-
-        Inside a Lightning run the optimizer is the trainer's; ``optimizer`` lets tests and
-        benchmarks run one update without a Trainer. ``temperature`` is the rollout's sampling
-        temperature: the trainer scores softmax(logits / T), the distribution the samples came from.
-        """
-        ppo = self.ppo
-        attached = self._trainer is not None
-        lightning_optimizer = self.optimizers() if optimizer is None else None
-        raw_optimizer = lightning_optimizer.optimizer if lightning_optimizer is not None else optimizer
-        world = self.trainer.world_size if attached else 1
-        start = UpdateStart(self)  # prepared, memory marked
-        started = time.perf_counter()
-        old = self.old_logprobs(samples, temperature)
-        old_seconds = time.perf_counter() - started
-        diffs: list[torch.Tensor] = []  # sampler - trainer log-probs, from the forwards before the first optimizer step
-        tot = Totals()
-        rng = random.Random(self.hparams.seed * 1_000_003 + self.weight_version)
-        minibatches = self._minibatch_count(len(samples), world)
-        n_optimizer_steps = ppo.epochs * minibatches
-        for _epoch in range(ppo.epochs):
-            order = list(range(len(samples)))
-            rng.shuffle(order)
-            for part in [order[k::minibatches] for k in range(minibatches)]:
-                tot.steps += 1
-                n_seq, n_tok = self._global_counts(len(part), sum(int(old[i].numel()) for i in part), world)
-                backward_rows(self, samples, part, old, n_seq, n_tok, temperature, tot, diffs if tot.steps == 1 else None)
-                if not part:
-                    self._touch_all_parameters()
-                tot.grad_norm += self._clip_gradients()
-                # the last optimizer step of a training step goes through Lightning so that
-                # global_step counts rollout+update steps; the others step the optimizer directly
-                if lightning_optimizer is not None and tot.steps == n_optimizer_steps:
-                    lightning_optimizer.step()
-                else:
-                    raw_optimizer.step()
-                raw_optimizer.zero_grad(set_to_none=True)
-        seconds = time.perf_counter() - started  # the old log-probs (when the trainer scores them) and the update
-        return {
-            "prepare_seconds": start.prepare_seconds,
-            "old_logprob_seconds": old_seconds,
-            "update_seconds": seconds - old_seconds,
-            **self._throughput(samples, old, seconds),
-            "sequence_tokens": float(sum(len(s) for s in samples)),
-            **start.memory(),
-            "skipped_steps": float(self.skipped_steps),
-            "minibatches": float(minibatches),
-            **summary(tot, samples, old, diffs),
-        }
-
-    def _minibatch_count(self, n_samples: int, world: int) -> int:
-        """``ppo.minibatches``, or fewer when a step has fewer samples than that on some rank (dropped
-        groups): an empty minibatch would be an optimizer step on a zero gradient. Every rank takes the
-        same count, so their all-reduces meet."""
-        if world > 1:
-            count = torch.tensor([float(n_samples)], device=self.device)
-            torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MIN)
-            n_samples = int(count.item())
-        return max(1, min(self.ppo.minibatches, n_samples))
-
-    def _global_counts(self, n_seq: int, n_tok: int, world: int) -> tuple[float, float]:
-        """Normalizers: the minibatch's sequence and token counts over all ranks, divided by the rank count.
-
-        DDP averages gradients over ranks, so dividing by (global count / ranks) on every rank gives
-        exactly the loss of the global minibatch.
-        """
-        if world <= 1:
-            return float(max(n_seq, 1)), float(max(n_tok, 1))
-        counts = torch.tensor([float(n_seq), float(n_tok)], device=self.device)
-        counts = self.trainer.strategy.reduce(counts, reduce_op="sum")
-        return max(float(counts[0]), 1.0) / world, max(float(counts[1]), 1.0) / world
-
-    def _gradient_sync(self, last: bool):
-        """Under DDP, all-reduce gradients only on the last backward of a minibatch (the rest accumulate)."""
-        from torch.nn.parallel import DistributedDataParallel
-
-        wrapper = self.trainer.model if self._trainer is not None else None
-        if not last and isinstance(wrapper, DistributedDataParallel):
-            return wrapper.no_sync()
-        return nullcontext()
-
-    def _backward(self, loss: torch.Tensor) -> None:
-        if self._trainer is not None:
-            self.manual_backward(loss)
-        else:
-            loss.backward()
-
-    def _touch_all_parameters(self) -> None:
-        """A zero loss over every trainable parameter, for a rank with no samples, so DDP's all-reduce still meets."""
-        self._backward(sum(p.sum() * 0.0 for p in self.trainable_parameters()))
-
-    def _clip_gradients(self) -> float:
-        """Clip the LoRA gradient; a non-finite gradient (a NaN or inf anywhere) is dropped, so the
-        optimizer step that follows leaves the weights as they are instead of making them NaN."""
-        params = [p for p in self.trainable_parameters() if p.grad is not None]
-        if not params:
-            return 0.0
-        max_norm = self.optim.grad_clip_norm if self.optim.grad_clip_norm > 0 else float("inf")
-        norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
-        if not math.isfinite(norm):
-            for p in params:
-                p.grad = None  # AdamW skips parameters without a gradient: no step at all
-            self.skipped_steps += 1
-        return norm
 
 
 def _as(cls, value):

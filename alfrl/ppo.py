@@ -1,76 +1,31 @@
-"""The policy's settings (LoRA, optimizer, PPO) and the update's micro-batches.
+"""The PPO update: its settings (``model.ppo``), its packed micro-batches, and ``ppo_update``, the one function that turns
+a step's samples into new LoRA weights.
 
-Settings are small typed dataclasses, recipe keys under ``model.lora``, ``model.optim`` and
-``model.ppo``; each lists its problems naming the key, like the data side's configs.
+    stats = ppo_update(policy, optimizer, samples, temperature)   # PPO-clip epochs x minibatches, AdamW steps
 
 Micro-batches are packed by tokens without padding: sequences (sorted by length) are concatenated
 into one row of at most ``microbatch_tokens`` tokens, with ``position_ids`` restarting at 0 for each,
 so attention stays inside each sequence (transformers reads the boundaries from the position ids).
 A sequence longer than the budget is a row of its own. Models whose layers carry state across a row
 (Gated DeltaNet linear attention) get one sequence per row. Every per-token field is cut from the
-samples' tensors with masks: no Python loop per token.
+samples' tensors with masks: no Python loop per token. ``backward_rows`` is the one place where packed rows are scored,
+their PPO-clip loss formed and backpropagated; ``summary`` turns the rows' totals into the ``train/...`` statistics.
 """
 
 from __future__ import annotations
 
+import math
+import random
+import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 
-from alfrl.loss import AGGREGATIONS
+from alfrl.loss import AGGREGATIONS, ppo_clip_loss, token_weights, truncated_is_weights
 from alfrl.types import Sample
 
 OLD_LOGPROBS = ("sampler", "recompute")
-
-
-@dataclass(frozen=True)
-class LoRAConfig:
-    """The adapter trained on the frozen base model."""
-
-    rank: int = 32
-    alpha: int = 64
-    """Scaling = alpha / rank."""
-    dropout: float = 0.0
-    target_modules: str | list[str] = "all-linear"
-    """``all-linear`` (every linear layer but the output layer, of every layer kind) or module names."""
-
-    def problems(self, prefix: str = "model.lora") -> list[str]:
-        out = []
-        if self.rank < 1:
-            out.append(f"{prefix}.rank={self.rank} must be >= 1")
-        if self.alpha <= 0:
-            out.append(f"{prefix}.alpha={self.alpha} must be > 0")
-        if not 0 <= self.dropout < 1:
-            out.append(f"{prefix}.dropout={self.dropout} must be in [0, 1)")
-        if not self.target_modules:
-            out.append(f"{prefix}.target_modules is empty: all-linear or a list of module names")
-        return out
-
-
-@dataclass(frozen=True)
-class OptimizerConfig:
-    """AdamW on the LoRA weights."""
-
-    lr: float = 1e-6
-    betas: tuple[float, float] = (0.9, 0.95)
-    weight_decay: float = 0.0
-    eps: float = 1e-8
-    grad_clip_norm: float = 1.0
-    """Clip the LoRA gradient norm to this (0 = no clipping)."""
-
-    def problems(self, prefix: str = "model.optim") -> list[str]:
-        out = []
-        if self.lr <= 0:
-            out.append(f"{prefix}.lr={self.lr}: the learning rate must be > 0")
-        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
-            out.append(f"{prefix}.betas={list(self.betas)}: two numbers in [0, 1), e.g. [0.9, 0.95]")
-        if self.weight_decay < 0:
-            out.append(f"{prefix}.weight_decay={self.weight_decay} must be >= 0")
-        if self.eps <= 0:
-            out.append(f"{prefix}.eps={self.eps} must be > 0")
-        if self.grad_clip_norm < 0:
-            out.append(f"{prefix}.grad_clip_norm={self.grad_clip_norm} must be >= 0 (0 turns clipping off)")
-        return out
 
 
 @dataclass(frozen=True)
@@ -177,3 +132,210 @@ def collate(samples: list[Sample], members: list[int], device: torch.device | st
         advantages=torch.cat([s.advantages_T for s in picked])[mask].to(device),
         sampler_logprobs=torch.cat([s.sampler_logprobs_T for s in picked])[mask].to(device),
     )
+
+
+@dataclass
+class Totals:
+    """Sums over the rows of one update (its statistics)."""
+
+    loss: float = 0.0
+    tokens: int = 0
+    clipped: int = 0
+    dual_clipped: int = 0
+    kl: float = 0.0
+    ratio_sum: float = 0.0
+    ratio_min: float = math.inf
+    ratio_max: float = -math.inf
+    grad_norm: float = 0.0
+    steps: int = 0
+
+    def add(self, loss: float, st) -> None:
+        self.loss += loss
+        self.tokens += st.tokens
+        self.clipped += st.clipped
+        self.dual_clipped += st.dual_clipped
+        self.kl += st.approx_kl_sum
+        self.ratio_sum += st.ratio_sum
+        self.ratio_min = min(self.ratio_min, st.ratio_min)
+        self.ratio_max = max(self.ratio_max, st.ratio_max)
+
+
+def backward_rows(policy, samples: list[Sample], part: list[int], old: list[torch.Tensor], n_seq: float, n_tok: float,
+                  temperature: float, totals: Totals, diffs: list[torch.Tensor] | None) -> None:
+    """Score ``samples[part]`` in packed rows, backpropagate their PPO-clip loss (normalized by ``n_seq`` / ``n_tok``,
+    per ``ppo.loss_aggregation``) into the LoRA's gradients and add the rows' statistics to ``totals``. ``old[i]`` holds
+    sample i's old log-probs; ``diffs`` (when given) gets sampler - trainer log-probs of every trained token."""
+    ppo = policy.ppo
+    rows = policy.microbatches(samples, part)
+    for r, mb in enumerate(rows):
+        logprobs = policy.logprobs_of(mb, temperature)  # (N,)
+        old_mb = torch.cat([old[i] for i in mb.members])
+        if diffs is not None:
+            diffs.append((mb.sampler_logprobs - logprobs.detach()).float())
+        weights = token_weights(mb.tokens_per_sequence, ppo.loss_aggregation, n_seq, n_tok).to(policy.device)
+        is_w = truncated_is_weights(old_mb, mb.sampler_logprobs, ppo.tis_cap) if ppo.tis_cap is not None else None
+        loss, st = ppo_clip_loss(logprobs, old_mb, mb.advantages, weights, ppo.clip_low, ppo.clip_high, is_w,
+                                 ppo.dual_clip, ppo.log_ratio_clamp)
+        with gradient_sync(policy, last=r == len(rows) - 1):
+            _backward(policy, loss)
+        totals.add(float(loss.detach()), st)
+
+
+def summary(totals: Totals, samples: list[Sample], old: list[torch.Tensor], diffs: list[torch.Tensor]) -> dict[str, float]:
+    """The update's statistics (``train/...``) from its totals."""
+    n = max(totals.tokens, 1)
+    all_diffs = torch.cat(diffs) if diffs else torch.zeros(0)
+    return {
+        "loss": totals.loss / max(totals.steps, 1),
+        "clip_fraction": totals.clipped / n,
+        "dual_clip_fraction": totals.dual_clipped / n,
+        "approx_kl": totals.kl / n,
+        "ratio_mean": totals.ratio_sum / n,
+        "ratio_min": totals.ratio_min if totals.tokens else 1.0,
+        "ratio_max": totals.ratio_max if totals.tokens else 1.0,
+        "grad_norm": totals.grad_norm / max(totals.steps, 1),
+        "trained_tokens": float(sum(int(o.numel()) for o in old)),
+        "samples": float(len(samples)),
+        "sampler_minus_trainer_logprob": float(all_diffs.mean()) if all_diffs.numel() else 0.0,
+        "sampler_trainer_abs_logprob_diff": float(all_diffs.abs().mean()) if all_diffs.numel() else 0.0,
+    }
+
+
+class UpdateStart:
+    """An update's start: the trainer prepared (its seconds) and the GPU's memory marked. torch's counts include a sleeping
+    vLLM engine's memory pool (its pages unmapped, its blocks still counted: 2026-12-01, 123.45 GiB of which ~106 GiB were
+    the asleep engine's), so the update's own share is the peak over what was allocated when it began."""
+
+    def __init__(self, policy):
+        self.device = policy.device
+        started = time.perf_counter()
+        policy.prepare_training()  # before the first update: the linear-attention kernel's choice (a GPU check for Qwen3.5)
+        self.prepare_seconds = time.perf_counter() - started
+        self.cuda = self.device.type == "cuda"
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self.memory_before = torch.cuda.memory_allocated(self.device) / 2**30 if self.cuda else 0.0
+
+    def memory(self) -> dict[str, float]:
+        peak = torch.cuda.max_memory_allocated(self.device) / 2**30 if self.cuda else 0.0
+        return {"peak_memory_gib": peak, "update_added_memory_gib": peak - self.memory_before}
+
+
+def _throughput(policy, samples: list[Sample], old: list[torch.Tensor], seconds: float) -> dict[str, float]:
+    """The update's model TFLOP/s (6N, ``alfrl.models.update_flops``), and over the GPU's bf16 peak where it is known."""
+    from alfrl.models import parameter_counts, peak_bf16_tflops, update_flops
+
+    policy._flop_counts = policy._flop_counts or parameter_counts(policy.model)
+    flops = update_flops(*policy._flop_counts, sum(len(s) for s in samples), sum(int(o.numel()) for o in old), policy.ppo.epochs,
+                         bool(policy.hparams.gradient_checkpointing), policy.ppo.old_logprobs == "recompute")
+    out = {"model_tflops": flops / max(seconds, 1e-9) / 1e12}
+    peak = peak_bf16_tflops(torch.cuda.get_device_name(policy.device)) if policy.device.type == "cuda" else None
+    return {**out, "mfu": out["model_tflops"] / peak} if peak else out
+
+def ppo_update(policy, optimizer, samples: list[Sample], temperature: float = 1.0) -> dict[str, float]:
+    """PPO-clip epochs over ``samples`` on ``policy``'s LoRA, stepping ``optimizer``; returns the update's statistics.
+
+    ``optimizer`` is Lightning's (``policy.optimizers()`` in a training step: the update's last optimizer step goes through
+    it, so ``global_step`` counts rollout+update steps) or a plain torch optimizer (tests and benchmarks, no Trainer).
+    ``temperature`` is the rollout's sampling temperature: the trainer scores softmax(logits / T), the distribution the
+    samples came from.
+    """
+    from lightning.pytorch.core.optimizer import LightningOptimizer
+
+    ppo = policy.ppo
+    lightning_optimizer = optimizer if isinstance(optimizer, LightningOptimizer) else None
+    raw_optimizer = optimizer.optimizer if lightning_optimizer is not None else optimizer
+    world = policy.trainer.world_size if policy._trainer is not None else 1
+    start = UpdateStart(policy)  # prepared, memory marked
+    started = time.perf_counter()
+    old = policy.old_logprobs(samples, temperature)
+    old_seconds = time.perf_counter() - started
+    diffs: list[torch.Tensor] = []  # sampler - trainer log-probs, from the forwards before the first optimizer step
+    tot = Totals()
+    rng = random.Random(policy.hparams.seed * 1_000_003 + policy.weight_version)
+    minibatches = _minibatch_count(policy, len(samples), world)
+    n_optimizer_steps = ppo.epochs * minibatches
+    for _epoch in range(ppo.epochs):
+        order = list(range(len(samples)))
+        rng.shuffle(order)
+        for part in [order[k::minibatches] for k in range(minibatches)]:
+            tot.steps += 1
+            n_seq, n_tok = global_counts(policy, len(part), sum(int(old[i].numel()) for i in part), world)
+            backward_rows(policy, samples, part, old, n_seq, n_tok, temperature, tot, diffs if tot.steps == 1 else None)
+            if not part:
+                _touch_all_parameters(policy)
+            tot.grad_norm += clip_gradients(policy)
+            # the last optimizer step of a training step goes through Lightning so that
+            # global_step counts rollout+update steps; the others step the optimizer directly
+            if lightning_optimizer is not None and tot.steps == n_optimizer_steps:
+                lightning_optimizer.step()
+            else:
+                raw_optimizer.step()
+            raw_optimizer.zero_grad(set_to_none=True)
+    seconds = time.perf_counter() - started  # the old log-probs (when the trainer scores them) and the update
+    return {
+        "prepare_seconds": start.prepare_seconds,
+        "old_logprob_seconds": old_seconds,
+        "update_seconds": seconds - old_seconds,
+        **_throughput(policy, samples, old, seconds),
+        "sequence_tokens": float(sum(len(s) for s in samples)),
+        **start.memory(),
+        "skipped_steps": float(policy.skipped_steps),
+        "minibatches": float(minibatches),
+        **summary(tot, samples, old, diffs),
+    }
+
+def _minibatch_count(policy, n_samples: int, world: int) -> int:
+    """``ppo.minibatches``, or fewer when a step has fewer samples than that on some rank (dropped
+    groups): an empty minibatch would be an optimizer step on a zero gradient. Every rank takes the
+    same count, so their all-reduces meet."""
+    if world > 1:
+        count = torch.tensor([float(n_samples)], device=policy.device)
+        torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MIN)
+        n_samples = int(count.item())
+    return max(1, min(policy.ppo.minibatches, n_samples))
+
+def global_counts(policy, n_seq: int, n_tok: int, world: int) -> tuple[float, float]:
+    """Normalizers: the minibatch's sequence and token counts over all ranks, divided by the rank count.
+
+    DDP averages gradients over ranks, so dividing by (global count / ranks) on every rank gives
+    exactly the loss of the global minibatch.
+    """
+    if world <= 1:
+        return float(max(n_seq, 1)), float(max(n_tok, 1))
+    counts = torch.tensor([float(n_seq), float(n_tok)], device=policy.device)
+    counts = policy.trainer.strategy.reduce(counts, reduce_op="sum")
+    return max(float(counts[0]), 1.0) / world, max(float(counts[1]), 1.0) / world
+
+def gradient_sync(policy, last: bool):
+    """Under DDP, all-reduce gradients only on the last backward of a minibatch (the rest accumulate)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    wrapper = policy.trainer.model if policy._trainer is not None else None
+    if not last and isinstance(wrapper, DistributedDataParallel):
+        return wrapper.no_sync()
+    return nullcontext()
+
+def _backward(policy, loss: torch.Tensor) -> None:
+    if policy._trainer is not None:
+        policy.manual_backward(loss)
+    else:
+        loss.backward()
+
+def _touch_all_parameters(policy) -> None:
+    """A zero loss over every trainable parameter, for a rank with no samples, so DDP's all-reduce still meets."""
+    _backward(policy, sum(p.sum() * 0.0 for p in policy.trainable_parameters()))
+
+def clip_gradients(policy) -> float:
+    """Clip the LoRA gradient; a non-finite gradient (a NaN or inf anywhere) is dropped, so the
+    optimizer step that follows leaves the weights as they are instead of making them NaN."""
+    params = [p for p in policy.trainable_parameters() if p.grad is not None]
+    if not params:
+        return 0.0
+    max_norm = policy.optim.grad_clip_norm if policy.optim.grad_clip_norm > 0 else float("inf")
+    norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+    if not math.isfinite(norm):
+        for p in params:
+            p.grad = None  # AdamW skips parameters without a gradient: no step at all
+        policy.skipped_steps += 1
+    return norm

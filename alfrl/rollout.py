@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import statistics
 import time
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import ClassVar
 
 from alfrl import protocol
 from alfrl.chat import ChatFormat
@@ -32,12 +34,67 @@ from alfrl.engines import Completion, Engine, SamplingRequest
 from alfrl.envs import EnvFailure, EnvGroup, EnvOp, EnvPool, EnvState, GroupStartMismatch, PrefetchedResets, check_same_start
 from alfrl.games import Game
 from alfrl.rewards import RewardConfig, episode_reward, reward_noise, step_rewards
-from alfrl.types import STOP_REASONS, RolloutProgress, RolloutStats, Trajectory, TrajectoryGroup, Turn
+from alfrl.types import STOP_REASONS, RolloutProgress, Trajectory, TrajectoryGroup, Turn
 
 log = logging.getLogger(__name__)
 
 SCHEDULES = ("async", "rounds")
 
+
+
+@dataclass
+class RolloutStats:
+    """Where a rollout's time went (seconds), for benchmarks and logs."""
+
+    seconds: float = 0.0
+    engine_seconds: float = 0.0
+    """Inside engine steps (the GPU's share of the rollout, for vLLM; with its core in a process of its own, waiting for its outputs)."""
+    env_wait_seconds: float = 0.0  # blocked waiting for environments with nothing to generate
+    submit_seconds: float = 0.0  # handing requests to the engine (for vLLM: its input processing and prefix-cache hashing)
+    requests: int = 0
+    trajectory_end_seconds: list[float] = field(default_factory=list)  # when each ended (after the start), in that order
+    group_start_seconds: list[float] = field(default_factory=list)
+    """When each group's first request was ready (its environments reset and checked): the start-up's length, the last one."""
+    engine_steps: int = 0
+    """Calls of ``engine.step()``: engine_seconds / engine_steps is the time of one (more calls than model forwards may run)."""
+    tail_engine_seconds: float = 0.0  # the engine steps (and their seconds) once half of the trajectories had ended
+    tail_engine_steps: int = 0
+    tail_output_times: list[tuple[float, float]] = field(default_factory=list)
+    """The tail's steps' ``Engine.last_output_times`` (vLLM: when its core made the outputs, when this process took them)."""
+    LAST_ENDED: ClassVar[tuple[str, ...]] = ("start", "generate", "environment", "local", "turns", "tokens")
+    last_ended: dict[str, float] = field(default_factory=dict)
+    """The trajectory that ended last (the rollout's critical path), its life split in seconds: ``start`` (its group's
+    resets and check, to its first request), ``generate`` (request to completion: queued in the engine, prefill, decode,
+    outputs taken), ``environment`` (its steps), ``local`` (a turn done to the next request submitted, and to its end);
+    with its ``turns`` and sampled ``tokens``."""
+
+    def engine_step(self, seconds: float, tail: bool, output_times: tuple[float, float] | None) -> None:
+        """One ``engine.step()`` call of ``seconds``; ``tail``: half of the trajectories had ended before it."""
+        self.engine_seconds += seconds
+        self.engine_steps += 1
+        if tail:
+            self.tail_engine_seconds += seconds
+            self.tail_engine_steps += 1
+            if output_times is not None:
+                self.tail_output_times.append(output_times)
+
+    def tail_figures(self) -> dict[str, float]:
+        """``rollout/tail_steps`` and ``rollout/tail_step_ms`` (their mean time), empty without a tail."""
+        if not self.tail_engine_steps:
+            return {}
+        return {"rollout/tail_steps": float(self.tail_engine_steps),
+                "rollout/tail_step_ms": 1000 * self.tail_engine_seconds / self.tail_engine_steps}
+
+    def tail_output_figures(self) -> dict[str, float]:
+        """Whether the tail waited on the engine or on this process (empty without output times; milliseconds, medians):
+        ``rollout/tail_core_step_ms``, between the core's consecutive outputs (its step while busy: the turns' gaps are few);
+        ``rollout/tail_output_lag_ms``, from the core making outputs to this process taking them (queued behind its other work)."""
+        made = [m for m, _ in self.tail_output_times]
+        gaps = [b - a for a, b in zip(made, made[1:]) if b > a]
+        if not gaps:
+            return {}
+        return {"rollout/tail_core_step_ms": 1000 * statistics.median(gaps),
+                "rollout/tail_output_lag_ms": 1000 * statistics.median(r - m for m, r in self.tail_output_times)}
 
 @dataclass(frozen=True)
 class RolloutConfig:

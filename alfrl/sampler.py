@@ -32,10 +32,10 @@ from alfrl.envs import EnvConfig, EnvGroup, EnvPool, PrefetchedResets
 from alfrl.evaluation import EvalConfig, game_record, run_eval
 from alfrl.games import Game
 from alfrl.rewards import RewardConfig
-from alfrl.rollout import RolloutConfig, RolloutRunner
+from alfrl.rollout import RolloutConfig, RolloutRunner, RolloutStats
 from alfrl.sampler_config import EngineConfig
 from alfrl.sync import WeightSync
-from alfrl.types import RolloutProgress, RolloutStats, TrajectoryGroup
+from alfrl.types import RolloutProgress, TrajectoryGroup
 
 @dataclass(frozen=True)
 class RolloutResult:

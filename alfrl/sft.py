@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from alfrl.advantages import sample_of
 from alfrl.policy import AlfrlPolicy
+from alfrl.ppo import clip_gradients, global_counts, gradient_sync
 from alfrl.types import Sample
 
 
@@ -160,20 +161,20 @@ class SFTPolicy(AlfrlPolicy):
 
     def training_step(self, batch: SFTBatch, batch_idx: int):
         started = time.perf_counter()
-        self.prepare_training()  # as AlfrlPolicy.update: train mode; the linear-attention kernel before the first step
+        self.prepare_training()  # as alfrl.ppo.ppo_update: train mode; the linear-attention kernel before the first step
         optimizer = self.optimizers()
         n_tok = sum(s.trained_tokens for s in batch.samples)
         world = self.trainer.world_size
-        _, global_tok = self._global_counts(1, n_tok, world)
+        _, global_tok = global_counts(self, 1, n_tok, world)
         loss_sum = 0.0
         rows = self.microbatches(batch.samples, list(range(len(batch.samples))))
         for r, mb in enumerate(rows):
             lp = self.logprobs_of(mb)
             loss = -lp.sum() / global_tok  # the mean over the step's trained tokens, over all ranks
-            with self._gradient_sync(last=r == len(rows) - 1):
+            with gradient_sync(self, last=r == len(rows) - 1):
                 self.manual_backward(loss)
             loss_sum += float(loss.detach())
-        grad_norm = self._clip_gradients()
+        grad_norm = clip_gradients(self)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         seconds = time.perf_counter() - started

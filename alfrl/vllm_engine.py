@@ -18,7 +18,7 @@ from collections.abc import Iterable
 
 import torch
 
-from alfrl.engines import AdapterWeights, Completion, EngineCounters, EngineError, SamplingRequest, clock_outputs, counters_from_metrics
+from alfrl.engines import AdapterWeights, Completion, EngineCounters, EngineError, SamplingRequest
 
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 KEPT_TAG = "weights"
@@ -512,3 +512,38 @@ class VLLMEngine:
 
             shutil.rmtree(self._adapter_root, ignore_errors=True)
             self._adapter_root = None
+
+
+def clock_outputs(core, engine) -> None:
+    """After each ``core.get_output()`` (vLLM's engine-core client) ``engine.last_output_times`` holds when the core made
+    those outputs (their ``timestamp``: ``time.monotonic()``, one clock for every process of the machine) and when this
+    process took them: the rollout's tail shows from them whether it waited on the core or on this process."""
+    get_output = core.get_output
+
+    def get_output_clocked(*args, **kwargs):
+        out = get_output(*args, **kwargs)
+        engine.last_output_times = (float(out.timestamp), time.monotonic())
+        return out
+
+    core.get_output = get_output_clocked
+
+
+def counters_from_metrics(metrics: Iterable) -> EngineCounters:
+    """Token counters from vLLM's ``LLM.get_metrics()``.
+
+    Cached prompt tokens come from ``vllm:prompt_tokens_cached``. vLLM 0.26's ``vllm:prefix_cache_hits``
+    is not a token count: in an 8 x 8 rollout it read 31,920 against 16.47 M prompt tokens while
+    ``vllm:prompt_tokens_cached`` read 15.98 M (H200, 2026-12-02; docs/performance.md); it is only the fallback for
+    versions without the token counter.
+    """
+    values: dict[str, float] = {}
+    for metric in metrics:
+        value = getattr(metric, "value", None)
+        if isinstance(value, (int, float)):
+            values[metric.name] = values.get(metric.name, 0) + value
+    cached = values.get("vllm:prompt_tokens_cached", values.get("vllm:prefix_cache_hits", 0))
+    return EngineCounters(
+        prompt_tokens=int(values.get("vllm:prompt_tokens", 0)),
+        cached_prompt_tokens=int(cached),
+        generated_tokens=int(values.get("vllm:generation_tokens", 0)),
+    )

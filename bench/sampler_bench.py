@@ -52,6 +52,7 @@ from replay_ceiling import load_turns, save_turns, vllm_ceiling, vllm_replay  # 
 from update_bench import UPDATE_VARIANTS, profile_tables, timed, update_phase
 
 from alfrl.rollout import completion_tokens
+from alfrl.ppo import ppo_update
 
 
 def quantiles(values) -> dict:
@@ -217,14 +218,14 @@ def sync_phase(out: dict, sampler, policy, samples, temperature: float, dry: boo
     optimizer = torch.optim.AdamW(policy.trainable_parameters(), lr=1e-6, betas=(0.9, 0.95))
     rows = out["probe_at_lr_1e-6"] = [{"updates": 0, **attempt(measuring)}]
     for u in range(1, 11):
-        policy.update(samples, optimizer=optimizer, temperature=temperature)
+        ppo_update(policy, optimizer, samples, temperature)
         policy.weight_version += 1
         if u in (1, 10):
             rows.append({"updates": u, **attempt(measuring)})
     checked = WeightSync(sampler.engine, probe, mode, sampler.engine_cfg.sync_check_tolerance, sampler.engine_cfg.sync_min_response)
     out["real_sync_before_skips"] = attempt(checked)
     for lr in (1e-6, 1e-5, 1e-4):  # one more update at each lr, each followed by a skipped sync and a real one
-        policy.update(samples, optimizer=torch.optim.AdamW(policy.trainable_parameters(), lr=lr, betas=(0.9, 0.95)), temperature=temperature)
+        ppo_update(policy, torch.optim.AdamW(policy.trainable_parameters(), lr=lr, betas=(0.9, 0.95)), samples, temperature)
         policy.weight_version += 1
         out[f"skipped_sync_lr_{lr:g}"] = attempt(checked, push=False)
         out[f"real_sync_after_skip_lr_{lr:g}"] = attempt(checked)

@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         import yaml
 
         from alfrl.policy import AlfrlPolicy
-        from alfrl.ppo import LoRAConfig
+        from alfrl.policy import LoRAConfig
 
         lora = LoRAConfig(**yaml.safe_load(open("recipes/qwen4b_80step.yaml"))["model"]["lora"])
         # the PyTorch reference for the Gated DeltaNet layers (as the 2026-12-01 and 2026-12-02 second-lease fits trained;

@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         import yaml
 
         from alfrl.policy import AlfrlPolicy
-        from alfrl.ppo import LoRAConfig
+        from alfrl.policy import LoRAConfig
 
         lora = LoRAConfig(**yaml.safe_load(open("recipes/qwen4b_80step.yaml"))["model"]["lora"])
         policy = AlfrlPolicy(model_name=args.model, dtype="bfloat16", lora=lora, linear_attention_kernel="torch")

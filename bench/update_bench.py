@@ -12,6 +12,7 @@ import traceback
 import torch
 
 from alfrl.models import parameter_counts, peak_bf16_tflops, update_flops
+from alfrl.ppo import ppo_update
 
 DENSE_BF16_TFLOPS = peak_bf16_tflops("NVIDIA H200")  # NVIDIA's dense bf16 figure (alfrl.models.PEAK_BF16_TFLOPS): 989
 
@@ -134,7 +135,7 @@ def update_phase(policy, samples, temperature: float, variants=UPDATE_VARIANTS, 
                 torch.cuda.empty_cache()
                 torch.cuda.synchronize()
             with _sdpa_backends(attn):
-                stats, seconds = timed(lambda: policy.update(samples, optimizer=optimizer, temperature=temperature))
+                stats, seconds = timed(lambda: ppo_update(policy, optimizer, samples, temperature))
             train_flops = update_flops(body, head, tokens, trained)
             recompute = update_flops(body, head, tokens, trained, recompute=ckpt) - train_flops  # checkpointed layers: forward twice
             run.update({"seconds": seconds, "update_seconds": stats["update_seconds"], "peak_memory_gib": stats["peak_memory_gib"],
@@ -157,7 +158,7 @@ def update_phase(policy, samples, temperature: float, variants=UPDATE_VARIANTS, 
             _apply_variant(policy, *settings)
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
             with profile(activities=activities) as prof:
-                _, seconds = timed(lambda: policy.update(samples, optimizer=optimizer, temperature=temperature))
+                _, seconds = timed(lambda: ppo_update(policy, optimizer, samples, temperature))
             out["profile"] = {"variant": name, "seconds": seconds, **profile_tables(prof, seconds, profile_path, f"update ({name})")}
         except Exception:  # noqa: BLE001 - recorded; the other figures stand
             out["profile"] = {"error": traceback.format_exc(limit=4)}

@@ -6,7 +6,8 @@ import torch
 from alfrl.advantages import sample_of
 from alfrl.attention import segment_lengths
 from alfrl.policy import AlfrlPolicy
-from alfrl.ppo import LoRAConfig, PPOConfig, collate
+from alfrl.ppo import PPOConfig, collate
+from alfrl.policy import LoRAConfig
 from alfrl.types import TokenSequence
 
 

@@ -75,7 +75,7 @@ def test_vllm_counters_read_cached_prompt_tokens_not_cache_queries():
     """The figures of the H200 rollout: prompt_tokens_cached is the token count; prefix_cache_hits is not."""
     from types import SimpleNamespace as M
 
-    from alfrl.engines import counters_from_metrics
+    from alfrl.vllm_engine import counters_from_metrics
 
     seen = [M(name="vllm:prefix_cache_queries", value=34568), M(name="vllm:prefix_cache_hits", value=31920),
             M(name="vllm:prompt_tokens", value=16469304), M(name="vllm:prompt_tokens_cached", value=15979696),
@@ -247,7 +247,7 @@ def test_the_recipes_vllm_settings_reach_the_engine(monkeypatch, tiny_model_dir)
 
     from alfrl.evaluation import EvalConfig
     from alfrl.policy import AlfrlPolicy
-    from alfrl.ppo import LoRAConfig
+    from alfrl.policy import LoRAConfig
     from alfrl.rewards import RewardConfig
     from alfrl.rollout import RolloutConfig
     from alfrl.envs import EnvConfig

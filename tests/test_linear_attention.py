@@ -9,7 +9,7 @@ import torch
 
 from alfrl import linear_attention as la
 from alfrl.policy import AlfrlPolicy
-from alfrl.ppo import LoRAConfig
+from alfrl.policy import LoRAConfig
 
 SIZES = {"key_heads": 2, "value_heads": 4, "key_dim": 16, "value_dim": 16}
 

@@ -9,7 +9,8 @@ from alfrl.advantages import sample_of
 from alfrl.logprobs import predicted_logprobs
 from alfrl.models import parameter_counts, peak_bf16_tflops, update_flops
 from alfrl.policy import AlfrlPolicy
-from alfrl.ppo import LoRAConfig, OptimizerConfig, PPOConfig, collate, pack_microbatches
+from alfrl.ppo import PPOConfig, collate, pack_microbatches, ppo_update
+from alfrl.policy import LoRAConfig, OptimizerConfig
 from alfrl.types import TokenSequence
 
 LORA8 = LoRAConfig(rank=8, alpha=16)
@@ -79,7 +80,7 @@ def test_one_update_raises_positive_and_lowers_negative_advantage_tokens(random_
         samples.append(_sample(prompt + [300 + k], 20, -1.0, traj=2 * k + 1))
     before = [float(lp.sum()) for lp in policy.old_logprobs(samples)]
     optimizer = torch.optim.AdamW(policy.trainable_parameters(), lr=1e-4)
-    stats = policy.update(samples, optimizer=optimizer)
+    stats = ppo_update(policy, optimizer, samples)
     after = [float(lp.sum()) for lp in policy.old_logprobs(samples)]
     for i, sample in enumerate(samples):
         if sample.advantages_T[-2] > 0:
@@ -127,7 +128,7 @@ def test_sampler_old_logprobs_make_the_clip_bound_the_sampler_trainer_mismatch(r
     trainer_lp = [float(policy.logprobs_of(collate(probe, [k], "cpu"))[0]) for k in range(2)]
     samples = [_sample(prompt + [100 + k], 20, adv, traj=k, sampler_logprob=lp - 0.5)
                for k, (adv, lp) in enumerate(zip((1.0, -1.0), trainer_lp))]
-    stats = policy.update(samples, optimizer=torch.optim.AdamW(policy.trainable_parameters(), lr=1e-4))
+    stats = ppo_update(policy, torch.optim.AdamW(policy.trainable_parameters(), lr=1e-4), samples)
     assert stats["ratio_mean"] == pytest.approx(math.exp(0.5), rel=1e-4)
     assert stats["clip_fraction"] == 0.5 and stats["dual_clip_fraction"] == 0.0
     assert stats["sampler_minus_trainer_logprob"] == pytest.approx(-0.5, abs=1e-5)  # measured before the optimizer step
@@ -145,7 +146,7 @@ def test_an_update_trains_in_train_mode_and_gradient_checkpointing_recomputes(ra
     layer.mlp.forward = lambda *a, **k: calls.append(layer.training) or forward(*a, **k)
     torch.manual_seed(2)
     samples = [_sample(torch.randint(0, 1000, (24,)).tolist(), 12, 1.0 - 2 * k, traj=k) for k in range(2)]
-    policy.update(samples, optimizer=torch.optim.AdamW(policy.trainable_parameters(), lr=1e-4))
+    ppo_update(policy, torch.optim.AdamW(policy.trainable_parameters(), lr=1e-4), samples)
     assert calls and all(calls)  # every forward of the update ran in train mode
     rows = len(policy.microbatches(samples, [0, 1]))
     assert len(calls) == rows * (2 if checkpointing else 1)  # checkpointed: the backward ran each layer again
@@ -265,11 +266,11 @@ def test_a_non_finite_gradient_skips_the_step_instead_of_poisoning_the_weights(r
     bad.advantages_T[bad.loss_mask_T] = float("nan")
     optimizer = torch.optim.AdamW(policy.trainable_parameters(), lr=1e-2)
     before = policy.adapter_state()
-    stats = policy.update([good, bad], optimizer=optimizer)
+    stats = ppo_update(policy, optimizer, [good, bad])
     after = policy.adapter_state()
     assert stats["skipped_steps"] == 1.0 and math.isnan(stats["grad_norm"])
     assert all(torch.equal(before[k], after[k]) for k in before)  # no step, no NaN
-    stats = policy.update([good], optimizer=optimizer)  # the next finite step trains as usual
+    stats = ppo_update(policy, optimizer, [good])  # the next finite step trains as usual
     assert stats["skipped_steps"] == 1.0 and math.isfinite(stats["grad_norm"])
     assert all(torch.isfinite(v).all() for v in policy.adapter_state().values())
     assert any(not torch.equal(before[k], v) for k, v in policy.adapter_state().items())
@@ -321,7 +322,7 @@ def _adapter_inputs(policy, samples) -> set:
     hooks = [m.register_forward_hook(lambda mod, args, out: seen.add((args[0].dtype, out.dtype)))
              for n, m in policy.model.named_modules() if n.endswith("lora_A.default")]
     try:
-        policy.update(samples, optimizer=torch.optim.AdamW(policy.trainable_parameters(), lr=1e-3))
+        ppo_update(policy, torch.optim.AdamW(policy.trainable_parameters(), lr=1e-3), samples)
     finally:
         for h in hooks:
             h.remove()
@@ -384,8 +385,8 @@ def test_compile_layers_gives_the_same_log_probs_and_gradients_and_keeps_the_nam
                 param.data.normal_(0, 0.05)
         names = [n for n, _ in policy.model.named_parameters()]
         assert not [r for r in caplog.records if "compile in this first update" in r.getMessage()]  # not at load (alfrl eval loads too)
-        stats = policy.update(samples, optimizer=torch.optim.SGD(policy.trainable_parameters(), lr=1.0))  # weights move by the gradient
-        policy.update(samples[:1], optimizer=torch.optim.SGD(policy.trainable_parameters(), lr=0.0))  # a second update: told once
+        stats = ppo_update(policy, torch.optim.SGD(policy.trainable_parameters(), lr=1.0), samples)  # weights move by the gradient
+        ppo_update(policy, torch.optim.SGD(policy.trainable_parameters(), lr=0.0), samples[:1])  # a second update: told once
         said = [r.getMessage() for r in caplog.records if "compile in this first update" in r.getMessage()]
         layers = len(causal_lm_of(policy.model).get_decoder().layers)
         assert said == [] if not compiled else (len(said) == 1 and said[0].startswith(  # the user is told why the first update is slow

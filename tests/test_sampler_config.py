@@ -18,7 +18,7 @@ def test_the_sampler_starts_vllm_with_the_recipes_settings_and_the_asked_determi
     from alfrl.envs import EnvConfig
     from alfrl.evaluation import EvalConfig
     from alfrl.policy import AlfrlPolicy
-    from alfrl.ppo import LoRAConfig
+    from alfrl.policy import LoRAConfig
     from alfrl.rewards import RewardConfig
     from alfrl.rollout import RolloutConfig
     from alfrl.sampler import Sampler

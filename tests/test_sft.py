@@ -15,7 +15,7 @@ from alfrl.envs import EnvPool
 from alfrl.expert import ExpertEngine, read_expert, replay
 from alfrl.games import discover_games, shuffled
 from alfrl.policy import AlfrlPolicy
-from alfrl.ppo import LoRAConfig
+from alfrl.policy import LoRAConfig
 from alfrl.rewards import RewardConfig
 from alfrl.rollout import RolloutConfig, RolloutRunner
 

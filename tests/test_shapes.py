@@ -5,7 +5,7 @@ from safetensors.torch import load_file
 
 from alfrl.models import has_linear_attention, is_vision_language, linear_module_names, load_causal_lm, read_config
 from alfrl.policy import AlfrlPolicy
-from alfrl.ppo import LoRAConfig
+from alfrl.policy import LoRAConfig
 from alfrl.shapes import build_config
 
 GDN = {"in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b", "out_proj"}

@@ -7,7 +7,8 @@ from alfrl.advantages import sample_of
 from alfrl.chat import chat_format
 from alfrl.engines import AdapterWeights, EngineError, HFEngine, SamplingRequest
 from alfrl.policy import AlfrlPolicy
-from alfrl.ppo import LoRAConfig, PPOConfig
+from alfrl.ppo import PPOConfig
+from alfrl.policy import LoRAConfig
 from alfrl.types import TokenSequence
 from alfrl.sync import NonFiniteProbeError, WeightSync, WeightSyncError
 

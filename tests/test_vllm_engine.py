@@ -125,7 +125,7 @@ def test_an_adapter_reaches_a_separate_engine_as_a_peft_folder_and_only_the_serv
 
     from alfrl.engines import EngineError
     from alfrl.policy import AlfrlPolicy
-    from alfrl.ppo import LoRAConfig
+    from alfrl.policy import LoRAConfig
     from alfrl.vllm_engine import VLLMEngine
 
     calls = []
