@@ -7,7 +7,7 @@ sequences of other trajectories included. ``sdpa_varlen`` instead runs causal SD
 the row (FlashAttention where PyTorch has it), so a row of k sequences costs the sum of their squared
 lengths, not the row's. The same attention as ``sdpa`` with the packed mask: equal log-probs and gradients in
 float32 (tests/test_attention.py); in bf16 the two use different kernels and round differently (on the H200, a
-14,074-token row of 5 sequences: mean |log-prob difference| 0.007 nats, bench/README.md).
+14,074-token row of 5 sequences: mean |log-prob difference| 0.007 nats, raw-results-2026-12-06:bench/README.md).
 
 Forwards with a padding mask or a KV cache (generation) are not packed rows: they go to ``sdpa`` with
 the mask transformers builds for them. Select it with ``model.attn_implementation: sdpa_varlen``.

@@ -138,5 +138,5 @@ class MemoryGuard:
             raise TrainerMemoryError(
                 f"{len(changed)} of the trainer's {len(names)} parameter and optimizer-state tensors changed during {what}, "
                 f"which computes none of them (first: {first}): something in this process wrote into the "
-                "trainer's memory; seen with vLLM's CUDA graphs and the LoRA adapter served (README fault table), where "
+                "trainer's memory; seen with vLLM's CUDA graphs and the LoRA adapter served (docs/faults.md), where "
                 "data.engine.enforce_eager: true has run clean")

@@ -4,7 +4,7 @@ transformers runs the chunked gated delta rule with flash-linear-attention (FLA)
 else with its PyTorch reference (correct, more than an order of magnitude slower). FLA 0.6 refuses the *gated
 backward* on Hopper GPUs with Triton >= 3.4 and < 3.7.1 (fla-org/flash-linear-attention#640: a miscompile at one
 block width). The GPU image's torch 2.11 ships Triton 3.6.0, so on an H200 the first update of a Qwen3.5 run
-stopped there with FLA's RuntimeError, after the engine's start and a rollout (2026-12-02, bench/README.md).
+stopped there with FLA's RuntimeError, after the engine's start and a rollout (2026-12-02, raw-results-2026-12-06:bench/README.md).
 
 - ``auto``: FLA where it runs as it is. Where its guard refuses, FLA's gated forward and backward are first
   compared with the PyTorch reference on this GPU at the model's head sizes (one sequence of a few chunks): FLA is

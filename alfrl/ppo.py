@@ -30,7 +30,7 @@ OLD_LOGPROBS = ("sampler", "recompute")
 
 @dataclass(frozen=True)
 class PPOConfig:
-    """The PPO-clip update (README: conventions)."""
+    """The PPO-clip update (docs/conventions.md)."""
 
     clip_low: float = 0.8
     clip_high: float = 1.2

@@ -51,12 +51,12 @@ class EngineConfig:
     max_cudagraph_capture_size``; null: vLLM's, min(2 x max_num_seqs, 512)). A larger step runs op by op, and
     with LoRA served each of its ~112 LoRA kernels costs ~0.2-0.4 ms of Python: in the 274-game evaluation on
     the H200 (2026-12-01, ~150 games live, ~580 tokens a step) most steps were over 512 and the GPU was busy
-    21% of the time (bench/README.md). Larger values capture more graphs at engine start."""
+    21% of the time (raw-results-2026-12-06:bench/README.md). Larger values capture more graphs at engine start."""
     cudagraph_mode: str | None = None
     """vLLM: which engine steps are replayed as CUDA graphs (``compilation_config.cudagraph_mode``): ``piecewise``
     (around attention), ``full`` (whole steps), ``full_decode_only``, ``full_and_piecewise`` or ``none``; null: vLLM's
     (full_and_piecewise where the attention backend allows). A diagnostic knob: on the H200 (2026-12-02) the random
-    Qwen3.5-4B scored NaN after a wake-up with vLLM's default graphs and not in eager mode (bench/README.md)."""
+    Qwen3.5-4B scored NaN after a wake-up with vLLM's default graphs and not in eager mode (raw-results-2026-12-06:bench/README.md)."""
     separate_process: bool = False
     """vLLM: its engine core (scheduler, model runner, CUDA graphs) in a process of its own, which steps the GPU while this
     process handles environments, outputs and the update (in this process both share one Python thread's time and the GIL:
@@ -93,7 +93,7 @@ class EngineConfig:
     sync_min_response: float = 0.1
     """After each sync, the engine's probe log-probs must follow at least this share of the trainer's
     change since the last sync (checked when the change is above numerical noise; 0 turns it off).
-    A skipped sync gives 0; bf16 LoRA weights in vLLM gave 0.37 on a small first update (bench/README.md)."""
+    A skipped sync gives 0; bf16 LoRA weights in vLLM gave 0.37 on a small first update (raw-results-2026-12-06:bench/README.md)."""
 
     def problems(self, prefix: str = "data.engine") -> list[str]:
         out = []

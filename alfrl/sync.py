@@ -20,7 +20,7 @@ A sync that silently does nothing would make every rollout come from an old poli
    against the trainer's.
 4. **Finite.** Log-probs that are not finite (engine or trainer) raise: a NaN would pass every comparison.
 
-Why a running response: on the H200 (bench/README.md) the LoRA-served engine followed 0.37 of the
+Why a running response: on the H200 (raw-results-2026-12-06:bench/README.md) the LoRA-served engine followed 0.37 of the
 first update of a run from a warm start at lr 1e-5, and about nothing of one update at lr 1e-6 from a
 fresh adapter; in a 10-update run at lr 2e-5 it followed -0.04 to 0.50 per sync, 0.28 running. A
 likely cause (not isolated): vLLM computes the LoRA product in bf16 and adds it to the bf16 output of
@@ -42,7 +42,7 @@ from alfrl.engines import EngineError
 SYNC_MODES = ("lora", "merged")
 NOISE_FACTOR = 2.0
 """The response is checked when the trainer's probe change is above this many times the first sync's gap.
-On the H200 (bench/README.md, 2026-12-01) one update at lr 1e-6 or 1e-5 from a fresh adapter moved the
+On the H200 (raw-results-2026-12-06:bench/README.md, 2026-12-01) one update at lr 1e-6 or 1e-5 from a fresh adapter moved the
 bf16 trainer's probe by 0.028-0.038 nats per token, about the engine-trainer gap (0.029-0.036): noise of
 the bf16 forward, which the engine cannot follow (responses -0.09 to 0.07); at lr 1e-4 (0.10-0.14) the
 engine followed 0.89-0.93."""

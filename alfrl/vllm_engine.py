@@ -59,7 +59,7 @@ def fault_hint(lora: bool, enforce_eager: bool, extra: dict) -> str:
     with CUDA graphs and LoRA served, what the H200 showed (empty otherwise)."""
     if not (lora and _graphs(enforce_eager, extra)):
         return ""
-    return ("; seen with vLLM 0.26's CUDA graphs and LoRA served on the H200 (README fault table: 15 of 15 fits of the 1.5B "
+    return ("; seen with vLLM 0.26's CUDA graphs and LoRA served on the H200 (docs/faults.md: 15 of 15 fits of the 1.5B "
             "recipe failed while the engine started before the trainer's memory; one clean since it starts after), where "
             "data.engine.enforce_eager: true or cudagraph_mode: none has run clean")
 
@@ -70,7 +70,7 @@ def wake_up_nan_hint(sleep_mode: bool, enforce_eager: bool, extra: dict) -> str:
     if not (sleep_mode and _graphs(enforce_eager, extra)):
         return ""
     return ("; the probe right after a wake-up: seen with vLLM 0.26's CUDA graphs and sleep mode on Qwen3.5-structure "
-            "checkpoints (bench/README.md, 2026-12-02; piecewise graphs and prefix caching off did not help), where only "
+            "checkpoints (raw-results-2026-12-06:bench/README.md, 2026-12-02; piecewise graphs and prefix caching off did not help), where only "
             "data.engine.enforce_eager: true has run clean")
 
 
