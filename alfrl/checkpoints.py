@@ -20,6 +20,46 @@ class CheckpointSpaceError(OSError):
     """The checkpoint folder's disk is full (the message says what to change)."""
 
 
+_RUN_LOCK = None  # the open lock file of the run folder this process trains into (held until it exits)
+
+
+def claim_run_folder(root: Path, checkpoints: Path, ckpt_path: str | None) -> list[str]:
+    """One fit per run folder, and one run's checkpoints per folder: the problems (one line each) that stop this fit.
+
+    ``root/.alfrl.lock`` is locked for as long as this process lives (``flock``: the kernel releases it when the process
+    ends, a crash or ``kill -9`` included, so no stale lock is left). ``checkpoints`` holding another run's checkpoints
+    is only written into by a fit that resumes from one of them (``--ckpt_path`` inside it)."""
+    import fcntl
+    import os
+
+    global _RUN_LOCK
+    if _RUN_LOCK is not None:
+        return []
+    if checkpoints.is_dir():
+        found = sorted(p.name for p in checkpoints.iterdir() if p.name.startswith("step-") or p.name == "last")
+        resuming = ckpt_path is not None and Path(ckpt_path).resolve().is_relative_to(checkpoints.resolve())
+        if found and not resuming:
+            newest = (checkpoints / "last").read_text().strip() if (checkpoints / "last").is_file() else found[-1]
+            return [f"{checkpoints} holds another run's checkpoints (newest {newest}): resume that run with --ckpt_path "
+                    f"{checkpoints / 'last'}, give this one its own --trainer.default_root_dir, or delete that folder to start over"]
+    root.mkdir(parents=True, exist_ok=True)
+    lock = open(root / ".alfrl.lock", "a+")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip() or "another process"
+        lock.close()
+        return [f"{root} is in use by another alfrl run ({holder}): wait for it to end, or give this one its own "
+                "--trainer.default_root_dir"]
+    lock.seek(0)
+    lock.truncate()
+    lock.write(f"pid {os.getpid()}")
+    lock.flush()
+    _RUN_LOCK = lock
+    return []
+
+
 def save_adapter(model, folder: Path) -> None:
     """The peft ``model``'s adapter in ``folder``, its ``adapter_config.json`` byte-identical across runs: peft writes
     ``target_modules`` in the order of a Python set, which differs from process to process."""

@@ -1,49 +1,57 @@
-"""The DataModule: every training batch is made by playing ALFWorld with the current policy.
+"""The DataModule: the training games, step by step, and the Sampler that plays them.
 
-It builds the training game list (seeded shuffle, its fingerprint checked on resume), owns the
-``Sampler`` and yields one ``RolloutBatch`` per step from an IterableDataset (no DataLoader workers):
-``games_per_batch`` games taken cyclically, K trajectories each (step 1, the rollout), scored into
-training samples (step 2, advantages -> samples). With several ranks each takes a disjoint share of
-the step's games; a group never spans ranks, so advantages stay exact.
+It builds the training game list (seeded shuffle, its fingerprint checked on resume), builds the ``Sampler`` (handed to
+the LightningModule when training starts) and yields one ``StepGames`` per step from an IterableDataset (no DataLoader
+workers): ``games_per_batch`` games taken cyclically, with everything the training step needs to play them and score
+the result (group size, seed, reward and advantage settings). With several ranks each takes a disjoint share of the
+step's games; a group never spans ranks, so advantages stay exact.
 """
 
 from __future__ import annotations
 
+import json
 import logging
-import statistics
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import lightning as L
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from alfrl.advantages import AdvantageConfig, make_samples
-from alfrl.engines import EngineCounters
+from alfrl.advantages import AdvantageConfig
 from alfrl.evaluation import EvalConfig
 from alfrl.games import DataError, Game, fingerprint, scan_games, shuffled
 from alfrl.rewards import RewardConfig
-from alfrl.rollout import RolloutConfig, RolloutStats, rollout_metrics
+from alfrl.rollout import RolloutConfig, RolloutStats
 from alfrl.sampler import Sampler
 from alfrl.envs import EnvConfig
 from alfrl.sampler_config import EngineConfig
-from alfrl.types import RolloutProgress, Sample, TrajectoryGroup
+from alfrl.types import RolloutProgress, TrajectoryGroup
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class RolloutBatch:
-    """What one training step trains on."""
+class StepGames:
+    """One training step's games and how to play and score them (``RolloutDataModule.next_step``)."""
 
     step: int
     games: list[Game]
-    groups: list[TrajectoryGroup]
-    samples: list[Sample]
-    metrics: dict[str, float] = field(default_factory=dict)
-    temperature: float = 1.0
+    group_size: int
+    seed: int
+    """The rollout's sampling seed (from ``data.seed`` and the step)."""
+    next_games: list[Game]
+    """The next step's games, reset while this one trains (``data.env.prefetch_resets``; else empty)."""
+    advantage: AdvantageConfig
+    reward: RewardConfig
+    history_length: int
+    temperature: float
     """The sampling temperature of the rollouts (the trainer scores at the same temperature)."""
+    rollouts_file: str | None = None
+    """Where this rank writes the step's trajectories (``data.save_rollouts``), else None."""
+    progress: Callable[[RolloutProgress], None] | None = field(default=None, compare=False)
 
 
 class _RolloutStream(IterableDataset):
@@ -52,7 +60,7 @@ class _RolloutStream(IterableDataset):
 
     def __iter__(self):
         while True:
-            yield self.dm.next_batch()
+            yield self.dm.next_step()
 
 
 def _identity(x):
@@ -210,52 +218,19 @@ class RolloutDataModule(L.LightningDataModule):
         self.cursor += self.games_per_batch if advance else 0
         return games[rank::world]
 
-    def next_batch(self) -> RolloutBatch:
+    def next_step(self) -> StepGames:
+        """This rank's games of the next step, and the settings to play and score them with."""
         games = self.step_games()
-        # step 1, rollout: K trajectories of each game with the current weights
-        rollout = self.connect(self.trainer.lightning_module).rollout(games, self.group_size, zlib.crc32(f"{self.seed}|step|{self.step}".encode()),
-                                                                      self.progress_listener)
-        if self.env_cfg.prefetch_resets:  # the next step's resets run in the workers while this batch trains
-            self.sampler.prefetch(self.step_games(advance=False), self.group_size)
-        failed = [g for g in rollout.groups if g.failed is not None]
-        if failed:
-            log.warning("step %d: %d of %d groups could not be played and are left out (%s)", self.step, len(failed), len(rollout.groups), failed[0].failed)
-        # step 2, advantages -> samples: per-token tensors, already shifted (degenerate groups dropped)
-        result = make_samples(rollout.groups, self.advantage, self.reward, self.rollout.history_length)
-        metrics = batch_metrics(rollout.groups, rollout.counters, rollout.stats.seconds, result.degenerate_groups, result.dropped_groups)
-        metrics["rollout/engine_busy_share"] = rollout.stats.engine_seconds / max(rollout.stats.seconds, 1e-9)
-        metrics["rollout/engine_steps"] = float(rollout.stats.engine_steps)
-        metrics["rollout/engine_step_ms"] = 1000 * rollout.stats.engine_seconds / max(rollout.stats.engine_steps, 1)
-        metrics["rollout/submit_seconds"] = rollout.stats.submit_seconds
-        metrics["rollout/env_wait_seconds"] = rollout.stats.env_wait_seconds
-        if rollout.stats.group_start_seconds:  # the start-up: every group's environments reset, its first request ready
-            metrics["rollout/last_group_started_seconds"] = max(rollout.stats.group_start_seconds)
-        if rollout.stats.trajectory_end_seconds:  # half the trajectories had ended by then; the rest is the tail
-            metrics["rollout/half_ended_seconds"] = statistics.median(rollout.stats.trajectory_end_seconds)
-            # the last trajectory's life (the rollout's critical path): generating, stepping, waiting here
-            metrics.update({f"rollout/last_ended_{k}": v for k, v in rollout.stats.last_ended.items()})
-        if rollout.stats.tail_engine_steps:  # the engine's steps after that, with the batch emptying: the tail's step time
-            metrics.update(rollout.stats.tail_figures())
-            metrics.update(rollout.stats.tail_output_figures())  # vLLM: its core's step there, and how late this process took it
-        if rollout.sleep_freed_gib is not None:
-            metrics["engine/sleep_freed_gib"] = rollout.sleep_freed_gib
-        metrics.update(rollout.engine_metrics)
-        batch = RolloutBatch(step=self.step, games=games, groups=rollout.groups, samples=result.samples,
-                             metrics=self._reduce_metrics(metrics, rollout.groups), temperature=self.rollout.temperature)
-        if self.save_rollouts:
-            self._write_rollouts(batch)
-        self.step += 1
-        return batch
-
-    def _write_rollouts(self, batch: RolloutBatch) -> None:
-        import json
-        from pathlib import Path
-
         rank, _ = self._rank_world()
-        folder = Path(self.trainer.default_root_dir) / "rollouts"
-        folder.mkdir(parents=True, exist_ok=True)
-        with open(folder / f"step-{batch.step:06d}-rank{rank}.jsonl", "w") as f:
-            f.write("".join(json.dumps(r) + "\n" for r in rollout_records(batch.groups)))
+        folder = Path(self.trainer.default_root_dir) / "rollouts" if self.save_rollouts else None
+        plan = StepGames(step=self.step, games=games, group_size=self.group_size, seed=zlib.crc32(f"{self.seed}|step|{self.step}".encode()),
+                         next_games=self.step_games(advance=False) if self.env_cfg.prefetch_resets else [],
+                         advantage=self.advantage, reward=self.reward, history_length=self.rollout.history_length,
+                         temperature=self.rollout.temperature,
+                         rollouts_file=str(folder / f"step-{self.step:06d}-rank{rank}.jsonl") if folder else None,
+                         progress=self.progress_listener)
+        self.step += 1
+        return plan
 
     # ------------------------------------------------------------ periodic evaluation
     def evaluate_in_memory(self, limit_per_split: int | None) -> dict:
@@ -271,27 +246,36 @@ class RolloutDataModule(L.LightningDataModule):
             records = [r for part in gathered for r in part]
         return summarize(records)
 
-    SUMMED_METRICS = ("rollout/trajectories", "rollout/failed_groups", "rollout/degenerate_groups", "rollout/dropped_groups")
-    LOCAL_METRICS = ("rollout/seconds", "rollout/engine_busy_share", "rollout/half_ended_seconds", "rollout/completion_tokens_max",
-                     "rollout/env_wait_seconds", "rollout/last_group_started_seconds", "rollout/tail_steps", "rollout/tail_step_ms",
-                     "rollout/tail_core_step_ms", "rollout/tail_output_lag_ms", *(f"rollout/last_ended_{k}" for k in RolloutStats.LAST_ENDED))
 
-    def _reduce_metrics(self, metrics: dict[str, float], groups: list[TrajectoryGroup]) -> dict[str, float]:
-        """Global metrics over all ranks: counts summed, rates weighted by each rank's trajectories
-        (rollout seconds, its tail and its longest trajectory stay this rank's)."""
-        _, world = self._rank_world()
-        if world <= 1:
-            return metrics
-        n = float(sum(len(g.trajectories) for g in groups))
-        keys = sorted(k for k in metrics if k not in self.LOCAL_METRICS)
-        summed = {k for k in keys if k in self.SUMMED_METRICS or k.startswith("tokens/")}
-        values = torch.tensor([metrics[k] if k in summed else metrics[k] * n for k in keys] + [n], dtype=torch.float64)
-        strategy = self.trainer.strategy
-        values = strategy.reduce(values.to(strategy.root_device), reduce_op="sum").cpu().tolist()
-        total = max(values[-1], 1.0)
-        out = {k: v if k in summed else v / total for k, v in zip(keys, values[:-1])}
-        out.update({k: metrics[k] for k in self.LOCAL_METRICS if k in metrics})
-        return out
+SUMMED_METRICS = ("rollout/trajectories", "rollout/failed_groups", "rollout/degenerate_groups", "rollout/dropped_groups")
+LOCAL_METRICS = ("rollout/seconds", "rollout/engine_busy_share", "rollout/half_ended_seconds", "rollout/completion_tokens_max",
+                 "rollout/env_wait_seconds", "rollout/last_group_started_seconds", "rollout/tail_steps", "rollout/tail_step_ms",
+                 "rollout/tail_core_step_ms", "rollout/tail_output_lag_ms", *(f"rollout/last_ended_{k}" for k in RolloutStats.LAST_ENDED))
+
+
+def reduce_metrics(metrics: dict[str, float], groups: list[TrajectoryGroup], trainer) -> dict[str, float]:
+    """A rank's rollout metrics made global over all ranks: counts summed, rates weighted by each rank's trajectories
+    (rollout seconds, its tail and its longest trajectory stay this rank's)."""
+    world = trainer.world_size if trainer is not None else 1
+    if world <= 1:
+        return metrics
+    n = float(sum(len(g.trajectories) for g in groups))
+    keys = sorted(k for k in metrics if k not in LOCAL_METRICS)
+    summed = {k for k in keys if k in SUMMED_METRICS or k.startswith("tokens/")}
+    values = torch.tensor([metrics[k] if k in summed else metrics[k] * n for k in keys] + [n], dtype=torch.float64)
+    strategy = trainer.strategy
+    values = strategy.reduce(values.to(strategy.root_device), reduce_op="sum").cpu().tolist()
+    total = max(values[-1], 1.0)
+    out = {k: v if k in summed else v / total for k, v in zip(keys, values[:-1])}
+    out.update({k: metrics[k] for k in LOCAL_METRICS if k in metrics})
+    return out
+
+
+def write_rollouts(path: str, groups: list[TrajectoryGroup]) -> None:
+    """The step's trajectories as JSONL records (``data.save_rollouts``)."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in rollout_records(groups)))
 
 
 def rollout_records(groups: list[TrajectoryGroup]) -> list[dict]:
@@ -299,14 +283,3 @@ def rollout_records(groups: list[TrajectoryGroup]) -> list[dict]:
     from alfrl.evaluation import game_record
 
     return [{**game_record(t), "type": "trajectory", "group": t.group_id, "index": t.index} for g in groups for t in g.trajectories]
-
-
-def batch_metrics(groups: list[TrajectoryGroup], counters: EngineCounters, seconds: float, degenerate: int, dropped: int) -> dict[str, float]:
-    metrics = rollout_metrics(groups)
-    metrics["rollout/degenerate_groups"] = float(degenerate)
-    metrics["rollout/dropped_groups"] = float(dropped)
-    metrics["rollout/seconds"] = seconds
-    metrics["tokens/prompt"] = float(counters.prompt_tokens)
-    metrics["tokens/cached_prompt"] = float(counters.cached_prompt_tokens)
-    metrics["tokens/generated"] = float(counters.generated_tokens)
-    return metrics

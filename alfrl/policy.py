@@ -1,20 +1,22 @@
-"""The LightningModule: a causal LM with a LoRA adapter, trained with PPO-clip on rollout batches.
+"""The LightningModule: a causal LM with a LoRA adapter, trained with PPO-clip on the rollouts of its Sampler.
 
-A training step, top to bottom (``RolloutDataModule.next_batch`` makes steps 1-2, ``training_step``
-step 3, the ``SamplerWeightSync`` callback step 4):
+``training_step`` reads top to bottom, one phase a line:
 
-1. rollout: the Sampler plays this step's games with the current weights (grouped trajectories);
-2. advantages -> samples: ``make_samples`` scores each group and cuts per-token tensors, already shifted;
-3. update: ``alfrl.ppo.ppo_update``, PPO-clip over packed micro-batches with a minibatch-level normalizer, AdamW on the LoRA;
-4. sync: the new adapter goes to the sampler, counted and probed.
+1. rollout: the Sampler (handed over when training starts) plays this step's games with the current weights;
+2. probe: the engine scores the weight sync's probe again (its drift over the rollout), then sleeps;
+3. samples: ``make_samples`` scores each group (advantages) and cuts per-token tensors, already shifted;
+4. update: ``alfrl.ppo.ppo_update``, PPO-clip over packed micro-batches, AdamW on the LoRA;
+5. sync: the new adapter goes to the engine, counted and probed;
+6. metrics: the rollout's (global over ranks), the probe's, the update's and the sync's, and the step's wall clock.
 
 ``trainer.max_steps`` counts these rollout+update steps (one Lightning step each, however many
-PPO epochs and minibatches).
+PPO epochs and minibatches). The module also loads the model (peft LoRA, GGUF, kernels) and scores sequences.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -25,6 +27,8 @@ import torch
 from alfrl.guard import MemoryGuard, allocate_optimizer_state
 from alfrl.linear_attention import KERNELS
 from alfrl.logprobs import causal_lm_of, predicted_logprobs, sequence_logprobs
+from alfrl.advantages import make_samples
+from alfrl.datamodule import reduce_metrics, write_rollouts
 from alfrl.ppo import MicroBatch, PPOConfig, collate, pack_microbatches, ppo_update
 from alfrl.types import Sample
 
@@ -156,6 +160,9 @@ class AlfrlPolicy(L.LightningModule):
         self._flop_counts: tuple[float, float] | None = None  # (body, output layer) parameters, for the update's flops
         self.linear_attention = None
         """The kernel chosen for linear-attention layers (alfrl.linear_attention.Choice), before the first update."""
+        self.sampler = None
+        """The Sampler (alfrl.sampler) that plays the training games, handed over at the start of training (``attach``)."""
+        self.sync_check, self.canary_at_step = True, 0
         self.compiled: tuple[int, tuple[str, ...]] | None = None
         """(modules, parts) that model.compile_layers compiles on their first call (told at the first update)."""
 
@@ -360,28 +367,51 @@ class AlfrlPolicy(L.LightningModule):
             self.model.train(was_training)
 
     # ------------------------------------------------------------ training
+    def attach(self, sampler, sync_check: bool = True, canary_at_step: int = 0) -> None:
+        """The Sampler this policy trains with, handed over when training starts (``SamplerWeightSync``), and the weight
+        sync's settings (``weight_sync.check``, ``weight_sync.canary_at_step``)."""
+        self.sampler, self.sync_check, self.canary_at_step = sampler, sync_check, canary_at_step
+
+    def transfer_batch_to_device(self, batch, device, dataloader_idx: int):
+        return batch  # a step's games and settings: nothing for the device (the samples move row by row in the update)
+
     def training_step(self, dataloader_iter):
-        # dataloader_iter: the batch for step t is played only after update t-1 and its weight sync
-        # (Lightning would otherwise prefetch the next batch before this step runs).
-        optimizer = self.optimizers().optimizer
-        dm = self.trainer.datamodule
-        guarded = dm.connect(self).engine.guard_trainer_memory  # an engine that can write into this process's memory
-        if guarded and self.guard.taken is None:
-            self.guard.take(self.model, optimizer)
-        batch, _, _ = next(dataloader_iter)  # steps 1-2: the rollout, its advantages and samples
-        if guarded:
-            self.guard.check(self.model, optimizer, "the rollout and the weight sync since the last update")
-        stats = ppo_update(self, self.optimizers(), batch.samples, batch.temperature)  # step 3
-        if guarded:
-            self.guard.take(self.model, optimizer)
-            stats["memory_guard_seconds"] = self.guard.seconds
+        """One update, its phases in order. The step's games are taken from Lightning's iterator only now, after update t-1
+        and its sync (Lightning fetches a batch before its step otherwise; it goes by this parameter's name)."""
+        started = time.perf_counter()
+        step, _, _ = next(dataloader_iter)  # StepGames: this rank's games and how to score them (RolloutDataModule)
+        optimizer = self.optimizers()
+        self._guard("take", optimizer)  # the first step: the weights and optimizer state as the engine start left them
+        rollout = self.sampler.rollout(step.games, step.group_size, step.seed, step.progress)  # 1 rollout
+        probe = self.sampler.probe(step.next_games, step.group_size)  # 2 probe: the engine's drift; it sleeps
+        self._guard("check", optimizer)
+        samples = make_samples(rollout.groups, step.advantage, step.reward, step.history_length)  # 3 samples
+        update = ppo_update(self, optimizer, samples.samples, step.temperature)  # 4 update
+        self._guard("take", optimizer, update)
         self.weight_version += 1
-        metrics = {**batch.metrics, **{f"train/{k}": v for k, v in stats.items()}}
+        sync = self.sampler.sync(self, self.sync_check, canary=self.global_step == self.canary_at_step)  # 5 sync
+        rollout_metrics = reduce_metrics(rollout.metrics(samples.degenerate_groups, samples.dropped_groups), rollout.groups,
+                                         self.trainer)  # 6 metrics
+        metrics = {**rollout_metrics, **probe, **{f"train/{k}": v for k, v in update.items()}, **sync,
+                   "step/seconds": time.perf_counter() - started}
+        if step.rollouts_file:
+            write_rollouts(step.rollouts_file, rollout.groups)
         shown = ("train/loss", "rollout/success_rate", "rollout/reward_mean")
         self.log_dict({k: v for k, v in metrics.items() if k not in shown}, on_step=True, batch_size=1)
         self.log_dict({k: metrics[k] for k in shown if k in metrics}, on_step=True, prog_bar=True, batch_size=1)
-        return None  # step 4, the sync, is the SamplerWeightSync callback's
 
+    def _guard(self, what: str, optimizer, update: dict | None = None) -> None:
+        """The memory guard (alfrl.guard), with an engine that can write into this process's memory: ``take`` a snapshot
+        (the first step's, and after each update), ``check`` that the rollout and sync since left it as it was."""
+        if not self.sampler.engine.guard_trainer_memory:
+            return
+        raw = optimizer.optimizer if hasattr(optimizer, "optimizer") else optimizer
+        if what == "check":
+            self.guard.check(self.model, raw, "the rollout and the weight sync since the last update")
+        elif update is not None or self.guard.taken is None:
+            self.guard.take(self.model, raw)
+            if update is not None:
+                update["memory_guard_seconds"] = self.guard.seconds
 
 def _as(cls, value):
     """A settings dataclass from itself, a dict (jsonargparse / checkpoints) or a Namespace."""

@@ -242,6 +242,47 @@ def _checkpoint_problems(cfg: Namespace) -> list[str]:
     return [f"checkpoint.keep_resume_states={keep} must be >= 0 (0 keeps every checkpoint's trainer.ckpt)"] if keep < 0 else []
 
 
+def _logger_problems(loggers) -> list[str]:
+    """A SwanLab logger in online mode that could log in only by asking at a terminal, where there is none (a batch job):
+    SwanLab would stop the run with a traceback after the model loaded."""
+    import os
+
+    out = []
+    for i, logger in enumerate(loggers if isinstance(loggers, list) else [loggers]):
+        item = logger.as_dict() if hasattr(logger, "as_dict") else logger
+        if not isinstance(item, dict) or "SwanLabLogger" not in str(item.get("class_path", "")):
+            continue
+        mode = (item.get("init_args") or {}).get("mode") or os.environ.get("SWANLAB_MODE") or "online"
+        if mode == "online" and not _has_terminal() and not _swanlab_key_known():
+            out.append(f"trainer.logger[{i}]: SwanLab logs online, but no API key is saved (`swanlab login`) or set "
+                       "(SWANLAB_API_KEY) and there is no terminal to ask for one: log in first, or set that logger's mode "
+                       "to local (a dashboard on this machine, `swanlab watch`) or offline in a copy of the recipe")
+    return out
+
+
+def _has_terminal() -> bool:
+    import sys
+
+    try:
+        return bool(sys.stdin is not None and sys.stdin.isatty())
+    except (AttributeError, OSError, ValueError):
+        return False
+
+
+def _swanlab_key_known() -> bool:
+    """Whether SwanLab would find an API key (the environment, or a saved login: its settings read both)."""
+    import os
+
+    if os.environ.get("SWANLAB_API_KEY"):
+        return True
+    try:
+        from swanlab.sdk.internal.settings import Settings
+
+        return Settings().api_key is not None
+    except Exception:  # a SwanLab whose settings this check does not know: leave the question to it
+        return True
+
+
 def recipe_problems(cfg: Namespace, check_data: bool = True, check_model: bool = True) -> list[str]:
     """Every problem of a resolved recipe (trainer, model, data and callbacks), one string each."""
     model = cfg.model.as_dict()
@@ -254,6 +295,7 @@ def recipe_problems(cfg: Namespace, check_data: bool = True, check_model: bool =
         if value < 0:
             problems.append(f"{key}={value} must be >= 0 (0 turns it off)")
     problems += _checkpoint_problems(cfg)
+    problems += _logger_problems(cfg.trainer.get("logger"))
     limit = cfg.periodic_eval.limit_per_split
     if limit is not None and limit < 1:
         problems.append(f"periodic_eval.limit_per_split={limit} must be >= 1 (or null for every game)")
@@ -331,6 +373,21 @@ class AlfrlCLI(LightningCLI):
             problems = recipe_problems(cfg, check_data=self.check_data)
             if problems:
                 raise RecipeError(problems)
+            self._claim_run_folder(cfg)
+
+    def _claim_run_folder(self, cfg) -> None:
+        """A fit (rank 0) takes its run folder: alone, and not over another run's checkpoints (alfrl.checkpoints)."""
+        import os
+
+        if self.subcommand != "fit" or int(os.environ.get("LOCAL_RANK", "0")) or int(os.environ.get("NODE_RANK", "0")):
+            return
+        from alfrl.checkpoints import claim_run_folder
+
+        root = Path(cfg.trainer.get("default_root_dir") or ".")
+        checkpoints = Path(cfg.checkpoint.dirpath) if cfg.checkpoint.get("dirpath") else root / "checkpoints"
+        problems = claim_run_folder(root, checkpoints, cfg.get("ckpt_path"))
+        if problems:
+            raise RecipeError(problems)
 
     def _parse_ckpt_path(self) -> None:
         """Resolve ``--ckpt_path`` (a step folder, ``.../last`` or ``trainer.ckpt``).
@@ -445,6 +502,7 @@ class SFTCLI(AlfrlCLI):
         problems = sft_problems(cfg)
         if problems:
             raise RecipeError(problems)
+        self._claim_run_folder(cfg)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -5,23 +5,24 @@ runner, the weight sync with its probe, and evaluation:
 
     sampler = Sampler.build(policy, rollout, reward, engine, env, eval)
     result = sampler.rollout(games, group_size, seed)      # grouped trajectories, token counters, timings
-    sampler.prefetch(next_games, group_size)               # optional: the next rollout's resets, started now
+    probe = sampler.probe(next_games, group_size)          # the engine's drift over the rollout; it sleeps; next resets start
     metrics = sampler.sync(policy)                         # new weights in, counted and probed
     summary = sampler.evaluate(games, out="results.jsonl", config={...})
     sampler.close()
 
-The DataModule makes its batches with ``rollout``, the weight-sync callback calls ``sync``, and
-``alfrl eval``, ``alfrl rollout`` and the benchmarks use the same calls. Its settings: ``alfrl.sampler_config.EngineConfig``
-and ``alfrl.envs.EnvConfig``.
+The LightningModule's training step makes those calls in that order; ``alfrl eval``, ``alfrl rollout`` and the
+benchmarks use the same calls. Its settings: ``alfrl.sampler_config.EngineConfig`` and ``alfrl.envs.EnvConfig``.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import statistics
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 
@@ -32,10 +33,12 @@ from alfrl.envs import EnvConfig, EnvGroup, EnvPool, PrefetchedResets
 from alfrl.evaluation import EvalConfig, game_record, run_eval
 from alfrl.games import Game
 from alfrl.rewards import RewardConfig
-from alfrl.rollout import RolloutConfig, RolloutRunner, RolloutStats
+from alfrl.rollout import RolloutConfig, RolloutRunner, RolloutStats, rollout_metrics
 from alfrl.sampler_config import EngineConfig
 from alfrl.sync import WeightSync
 from alfrl.types import RolloutProgress, TrajectoryGroup
+
+log = logging.getLogger("alfrl")
 
 @dataclass(frozen=True)
 class RolloutResult:
@@ -45,11 +48,32 @@ class RolloutResult:
     counters: EngineCounters
     """Prompt / cached prompt / generated tokens of this rollout."""
     stats: RolloutStats
-    sleep_freed_gib: float | None = None
-    """GPU memory the engine's sleep handed to the trainer after this rollout (vLLM sleep mode; else None)."""
-    engine_metrics: dict[str, float] = field(default_factory=dict)
-    """The engine's probe scored after the rollout against right after the last sync (``WeightSync.check_engine``), and
-    the seconds the engine took to fall asleep (``engine/sleep_seconds``, sleep mode only)."""
+
+    def metrics(self, degenerate_groups: int = 0, dropped_groups: int = 0) -> dict[str, float]:
+        """This rollout's ``rollout/`` and ``tokens/`` metrics (this rank's), with the groups its samples left out."""
+        stats = self.stats
+        metrics = rollout_metrics(self.groups)
+        metrics["rollout/degenerate_groups"] = float(degenerate_groups)
+        metrics["rollout/dropped_groups"] = float(dropped_groups)
+        metrics["rollout/seconds"] = stats.seconds
+        metrics["tokens/prompt"] = float(self.counters.prompt_tokens)
+        metrics["tokens/cached_prompt"] = float(self.counters.cached_prompt_tokens)
+        metrics["tokens/generated"] = float(self.counters.generated_tokens)
+        metrics["rollout/engine_busy_share"] = stats.engine_seconds / max(stats.seconds, 1e-9)
+        metrics["rollout/engine_steps"] = float(stats.engine_steps)
+        metrics["rollout/engine_step_ms"] = 1000 * stats.engine_seconds / max(stats.engine_steps, 1)
+        metrics["rollout/submit_seconds"] = stats.submit_seconds
+        metrics["rollout/env_wait_seconds"] = stats.env_wait_seconds
+        if stats.group_start_seconds:  # the start-up: every group's environments reset, its first request ready
+            metrics["rollout/last_group_started_seconds"] = max(stats.group_start_seconds)
+        if stats.trajectory_end_seconds:  # half the trajectories had ended by then; the rest is the tail
+            metrics["rollout/half_ended_seconds"] = statistics.median(stats.trajectory_end_seconds)
+            # the last trajectory's life (the rollout's critical path): generating, stepping, waiting here
+            metrics.update({f"rollout/last_ended_{k}": v for k, v in stats.last_ended.items()})
+        if stats.tail_engine_steps:  # the engine's steps after that, with the batch emptying: the tail's step time
+            metrics.update(stats.tail_figures())
+            metrics.update(stats.tail_output_figures())  # vLLM: its core's step there, and how late this process took it
+        return metrics
 
 
 class Sampler:
@@ -107,20 +131,30 @@ class Sampler:
 
     def rollout(self, games: list[Game], group_size: int, seed: int,
                 progress: Callable[[RolloutProgress], None] | None = None) -> RolloutResult:
-        """Play ``group_size`` trajectories of each game with the current weights."""
+        """Play ``group_size`` trajectories of each game with the current weights (the engine awake)."""
         self.engine.wake_up()
         before = self.engine.counters()
         runner = self.runner()
         groups = runner.run(games, group_size, seed, progress, prepared=self._take_prefetch(games, group_size))
-        counters = self.engine.counters().minus(before)
-        # the engine scores the sync's probe as right after the last sync, before it sleeps (one short prefill)
-        engine_metrics = self._sync.check_engine("after the rollout") if self._sync is not None else {}
+        failed = [g for g in groups if g.failed is not None]
+        if failed:
+            log.warning("%d of %d groups could not be played and are left out (%s)", len(failed), len(groups), failed[0].failed)
+        return RolloutResult(groups, self.engine.counters().minus(before), runner.stats)
+
+    def probe(self, next_games: list[Game] = (), group_size: int = 0) -> dict[str, float]:
+        """After a rollout: the engine scores the sync's probe as right after the last sync (``engine/probe_drift``: the
+        same weights must give the same log-probs), then sleeps (sleep mode: its memory to the trainer), then the resets of
+        ``next_games`` start in the workers (the next rollout's, while this step trains)."""
+        metrics = self._sync.check_engine("after the rollout") if self._sync is not None else {}
         slept = time.perf_counter()
         self.engine.sleep()
         freed = getattr(self.engine, "sleep_freed_gib", None)  # None: the engine does not sleep
         if freed is not None:
-            engine_metrics["engine/sleep_seconds"] = time.perf_counter() - slept
-        return RolloutResult(groups, counters, runner.stats, freed, engine_metrics)
+            metrics["engine/sleep_seconds"] = time.perf_counter() - slept
+            metrics["engine/sleep_freed_gib"] = freed
+        if next_games:
+            self.prefetch(list(next_games), group_size)
+        return metrics
 
     def prefetch(self, games: list[Game], group_size: int) -> None:
         """Submit the resets of ``games``' groups now; ``rollout`` plays them if it gets the same games and group size
@@ -183,9 +217,19 @@ class Sampler:
             self._sync = WeightSync(self.engine, self.probe_ids(), cfg.weight_sync, cfg.sync_check_tolerance, cfg.sync_min_response, check)
         return self._sync
 
-    def sync(self, policy, check: bool = True, push: bool = True) -> dict[str, float]:
-        """Push ``policy``'s weights into the engine and check they arrived (``sync/`` metrics)."""
-        return self.weight_sync(check).sync(policy, push=push)
+    def sync(self, policy, check: bool = True, push: bool = True, canary: bool = False) -> dict[str, float]:
+        """Push ``policy``'s weights into the engine and check they arrived (``sync/`` metrics, ``sync/total_seconds``).
+        ``canary``: first a sync that skips the push, and whether the checks caught it (``sync/canary_caught``)."""
+        started = time.perf_counter()
+        metrics: dict[str, float] = {}
+        if canary and check:
+            found = self.weight_sync(check).canary(policy)
+            log.warning("weight-sync canary after update %d: a sync that skipped the push was %s (%s)", policy.weight_version,
+                        "caught" if found["sync/canary_caught"] else "NOT caught", found.get("sync/canary_message", ""))
+            metrics.update({k: v for k, v in found.items() if isinstance(v, float)})
+        metrics = {**self.weight_sync(check).sync(policy, push=push), **metrics}
+        metrics["sync/total_seconds"] = time.perf_counter() - started  # the engine's wake-up, the canary, push and checks
+        return metrics
 
     # ------------------------------------------------------------ evaluation
     def evaluate_records(self, games: list[Game], cfg: EvalConfig | None = None) -> list[dict]:

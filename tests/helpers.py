@@ -1,5 +1,5 @@
 """Test doubles: a scripted engine that plays given action lists through the real token machinery; the CLI run in
-the test's process; a bench/ script loaded as a module."""
+the test's process."""
 
 from __future__ import annotations
 

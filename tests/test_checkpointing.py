@@ -90,3 +90,52 @@ def test_other_os_errors_pass_through(tmp_path):
 
     with pytest.raises(PermissionError):
         Checkpointing().save(Denied(tmp_path, step=1), policy=None)
+
+
+def _fit_cli(root: Path, tiny_model_dir: str, *extra: str):
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "alfrl.cli", "fit", "--config", "recipes/tiny.yaml", "--trainer.default_root_dir", str(root),
+           "--model.model_name", tiny_model_dir, "--trainer.logger", "false", *extra]
+    return subprocess.run(cmd, cwd=Path(__file__).parents[1], capture_output=True, text=True, timeout=600)
+
+
+def test_a_fit_into_a_folder_holding_another_runs_checkpoints_stops_with_one_line(tmp_path, tiny_model_dir):
+    """A second fit into a run folder with checkpoints (here: step-000002, `last`) would overwrite some of them and move
+    `last`: it stops before any model loads and names the three ways on."""
+    step = tmp_path / "run" / "checkpoints" / "step-000002"
+    (step / "adapter").mkdir(parents=True)
+    (tmp_path / "run" / "checkpoints" / "last").write_text("step-000002")
+    out = _fit_cli(tmp_path / "run", tiny_model_dir)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert (f"{tmp_path / 'run' / 'checkpoints'} holds another run's checkpoints (newest step-000002): resume that run with "
+            f"--ckpt_path {tmp_path / 'run' / 'checkpoints' / 'last'}, give this one its own --trainer.default_root_dir") in out.stderr
+    assert "Traceback" not in out.stderr and "Loading weights" not in out.stderr
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["last", "step-000002"]  # nothing written
+
+
+def test_a_run_folder_is_taken_by_one_fit_at_a_time_and_a_killed_holder_leaves_no_lock(tmp_path, tiny_model_dir):
+    """Two processes: while one holds the run folder (as a running fit does), a fit into it stops with one line naming the
+    holder; once the holder is killed (-9, no cleanup), the folder can be taken again."""
+    import signal
+    import subprocess
+    import sys
+
+    root = tmp_path / "run"
+    hold = ("import sys, time; from pathlib import Path; from alfrl.checkpoints import claim_run_folder; "
+            "root = Path(sys.argv[1]); assert claim_run_folder(root, root / 'checkpoints', None) == []; "
+            "print('held', flush=True); time.sleep(300)")
+    holder = subprocess.Popen([sys.executable, "-c", hold, str(root)], cwd=Path(__file__).parents[1], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        out = _fit_cli(root, tiny_model_dir)
+        assert out.returncode == 2, out.stderr[-2000:]
+        assert f"{root} is in use by another alfrl run (pid {holder.pid}): wait for it to end" in out.stderr
+        assert "Traceback" not in out.stderr and "Loading weights" not in out.stderr
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    again = subprocess.run([sys.executable, "-c", hold.replace("time.sleep(300)", "pass"), str(root)], cwd=Path(__file__).parents[1],
+                           capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0 and again.stdout.strip() == "held", again.stderr[-2000:]

@@ -414,25 +414,3 @@ def test_compile_layers_gives_the_same_log_probs_and_gradients_and_keeps_the_nam
     with pytest.raises(ValueError, match="no decoder layers with nothing_here"):
         compile_layers(lm, parts=("nothing_here",))
 
-
-def test_the_standalone_update_benchmark_makes_rollout_shaped_samples():
-    """bench/update_alone.py's synthetic samples: lengths in range, trained turns of the given size making about the
-    given share, the last position never trained, old log-probs of a uniform distribution, an advantage on every
-    trained token (+1 / -1 by sequence) and none elsewhere."""
-    import importlib.util
-    import math
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parent.parent / "bench" / "update_alone.py"
-    spec = importlib.util.spec_from_file_location("update_alone", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    samples = mod.synthetic_samples(8, 3000, 7200, vocab=1000, seed=3)
-    assert len(samples) == 8 and all(3000 <= len(s) <= 7200 for s in samples)
-    share = sum(s.trained_tokens for s in samples) / sum(len(s) for s in samples)
-    assert 0.10 < share < 0.17
-    for i, s in enumerate(samples):
-        assert not s.loss_mask_T[-1] and int(s.token_ids_T.max()) < 1000
-        assert (s.sampler_logprobs_T[s.loss_mask_T] == float(-math.log(1000))).all() and (s.sampler_logprobs_T[~s.loss_mask_T] == 0).all()
-        assert (s.advantages_T[s.loss_mask_T] == (1.0 if i % 2 == 0 else -1.0)).all() and (s.advantages_T[~s.loss_mask_T] == 0).all()
-    assert [len(s) for s in mod.synthetic_samples(8, 3000, 7200, vocab=1000, seed=3)] == [len(s) for s in samples]  # seeded

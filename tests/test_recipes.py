@@ -18,7 +18,8 @@ def test_there_are_recipes():
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: Path(r).name)
-def test_every_recipe_parses_and_has_no_problems(recipe):
+def test_every_recipe_parses_and_has_no_problems(recipe, monkeypatch):
+    monkeypatch.setenv("SWANLAB_API_KEY", "a-saved-login")  # the online recipes' SwanLab needs one (tested below)
     if Path(recipe).name.startswith("sft_"):  # warm-start recipes: alfrl sft
         from alfrl.recipe import SFTCLI, sft_problems
 
@@ -88,6 +89,25 @@ def test_unknown_key_is_one_clear_line():
                          capture_output=True, text=True, timeout=300)
     assert out.returncode != 0
     assert "alfrl: recipe error:" in out.stderr and "lrr" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_swanlab_online_without_a_login_or_a_terminal_is_one_line_before_any_model_loads(tmp_path, tiny_model_dir, capfd,
+                                                                                            monkeypatch):
+    """A batch job (no TTY) with an online SwanLab logger and no saved or given API key: SwanLab would stop the run with a
+    traceback once the model had loaded; the recipe check names the fix instead. With a key it is no problem."""
+    online = tmp_path / "online.yaml"
+    online.write_text(Path("recipes/tiny.yaml").read_text().replace("        mode: offline", "        mode: online"))
+    monkeypatch.setenv("HOME", str(tmp_path))  # no saved login there
+    monkeypatch.delenv("SWANLAB_API_KEY", raising=False)
+    out = _fit(capfd, "--config", str(online), "--model.model_name", tiny_model_dir)
+    assert out.returncode == 2, out.stderr
+    assert "trainer.logger[1]: SwanLab logs online, but no API key is saved (`swanlab login`)" in out.stderr
+    assert "Traceback" not in out.stderr and "Loading weights" not in out.stderr
+    cfg = parse_recipe(["--config", str(online)])
+    from alfrl.recipe import _logger_problems
+
+    monkeypatch.setenv("SWANLAB_API_KEY", "a-key")
+    assert _logger_problems(cfg.trainer.logger) == []
 
 
 def test_unknown_key_in_a_recipe_file(tmp_path, capfd):

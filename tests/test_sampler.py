@@ -1,7 +1,6 @@
 """The asynchronous rollout: no round barrier, and the same trajectories as the round-based runner."""
 
 import dataclasses
-import json
 import os
 import signal
 import threading
@@ -295,7 +294,8 @@ def test_a_max_live_games_rollout_is_not_prefetched(valid_games, fmt):
 
 
 def test_each_training_batch_prefetches_the_next_steps_resets(valid_games, fmt):
-    """RolloutDataModule.next_batch: after its rollout, the next step's games reset in the workers (data.env.prefetch_resets)."""
+    """RolloutDataModule.next_step names the next step's games; after the rollout, Sampler.probe starts their resets in the
+    workers (data.env.prefetch_resets), as a training step calls them."""
     from types import SimpleNamespace
 
     from alfrl.datamodule import RolloutDataModule
@@ -309,47 +309,27 @@ def test_each_training_batch_prefetches_the_next_steps_resets(valid_games, fmt):
         dm = RolloutDataModule(games_per_batch=2, group_size=2, rollout=cfg, env=EnvConfig(prefetch_resets=prefetch))
         dm.train_games = list(valid_games[:5])
         dm.trainer = SimpleNamespace(lightning_module=None, global_rank=0, world_size=1)
+
+        def play():
+            step = dm.next_step()
+            dm.sampler.rollout(step.games, step.group_size, step.seed)
+            dm.sampler.probe(step.next_games, step.group_size)
+            return step
+
         with EnvPool(num_workers=2, step_timeout=30) as pool:
             dm.sampler = Sampler(ScriptedEngine(fmt, [["look"] * 2, ["inventory"] * 2]), pool, fmt, cfg, RewardConfig(),
                                  EvalConfig(), EngineConfig())
             kinds, submit = [], pool.submit
             pool.submit = lambda ops: (kinds.extend(op.kind for op in ops), submit(ops))[1]
-            dm.next_batch()
+            play()
             assert kinds[:4] == ["reset"] * 4  # the first rollout resets its own
             assert (dm.sampler._prefetch is not None) == prefetch and kinds[-1] == ("reset" if prefetch else "step")
             if prefetch:
                 assert dm.sampler._prefetch.matches(dm.step_games(advance=False), 2)
             kinds.clear()
-            batch = dm.next_batch()
+            batch = play()
             assert [g.id for g in batch.games] == [g.id for g in valid_games[2:4]]
             rollout_kinds = kinds[:-4] if prefetch else kinds  # with a prefetch, the next one's 4 resets come last
             assert rollout_kinds.count("reset") == (0 if prefetch else 4) and set(kinds[-4:]) == {"reset" if prefetch else "step"}
             dm.sampler.close()
 
-
-def test_sampler_benchs_rollout_figures_survive_a_failed_ceiling(tmp_path, data_dir, tiny_model_dir):
-    """bench/sampler_bench.py: a ceiling that failed (here: no vLLM) is recorded as its error, and the runners phase after it
-    keeps its rollout's figures (it divided by the missing ceiling's seconds and lost them, found in a CPU dry run); the
-    prefetched schedule's groups start at once, their resets done before its clock."""
-    import importlib.util
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    if importlib.util.find_spec("vllm") is not None:
-        pytest.skip("vLLM is installed here: its ceiling would run, not fail")
-    out = tmp_path / "bench.json"
-    repo = Path(__file__).parents[1]
-    cmd = [sys.executable, str(repo / "bench" / "sampler_bench.py"), "--recipe", str(repo / "recipes" / "tiny.yaml"), "--out", str(out),
-           "--phases", "ceiling", "runners", "--schedules", "async", "prefetched", "--games", "2", "--no-sync", "--",
-           "--trainer.accelerator", "cpu", "--data.env.num_workers", "2", "--data.games_per_batch", "2", "--data.group_size", "2",
-           "--data.rollout.max_episode_steps", "3", "--model.model_name", tiny_model_dir, "--trainer.logger", "false"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=repo, env={**os.environ, "ALFWORLD_DATA": data_dir})
-    assert done.returncode == 0, done.stderr[-2000:]
-    phases = json.loads(out.read_text())["phases"]
-    assert "No module named 'vllm'" in phases["ceiling"]["error"]
-    assert "error" not in phases["runners"] and phases["runners"]["async"]["seconds"] > 0
-    assert "async_over_ceiling_time" not in phases["runners"]
-    runs = phases["runners"]
-    assert runs["prefetched"]["seconds"] > 0 and runs["prefetched"]["resets_seconds"] > 0 and runs["prefetched"]["turns"] == 2 * 2 * 3
-    assert runs["prefetched"]["last_group_started_seconds"] < runs["async"]["last_group_started_seconds"]
