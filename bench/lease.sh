@@ -6,6 +6,8 @@
 #   bash bench/lease.sh stage .gpu-model/m01     # ... m20; then the model, the rest of the expert plans and the lanes
 #   bash bench/lease.sh wait 540                 # until the lanes are done or 540 s pass; results, logs and 4 shipped pieces to $OUT
 #   bash bench/lease.sh send                     # 4 more shipped pieces (adapters come back in pieces of 14 MiB, their sha256 in results)
+#   bash bench/lease.sh stage .gpu-adapters/R/pieces/adapter.part00 .gpu-adapters/R/adapter_config.json .gpu-adapters/R/adapter.sha256
+#                                                # then part01, part02, before `start`: the warm start is that adapter, no sft
 # .gpu-data holds json_2.1.1.tar.xz and expert.jsonl.gz with its .skipped.json (`alfrl expert --config
 # recipes/qwen15b_coder_h200.yaml`, begun on the CPU; the lease plays the games it did not reach).
 # LANES (default "warmstart evals fits learn"): warmstart: alfrl sft on every plan (adapter and plans shipped); evals: its
@@ -88,6 +90,14 @@ ship() {  # ship FILE NAME: FILE in pieces of 14 MiB under ship/ (its sha256 in 
 }
 
 warmstart() {  # the warm start: alfrl sft on every expert plan; its adapter shipped (the next lease starts from it)
+  if [ -d /tmp/adapter-stage ]; then  # a warm start brought back by an earlier lease, staged in pieces: no alfrl sft
+    local step=$RUN/sft/checkpoints/step-000030
+    mkdir -p "$step/adapter" && cat /tmp/adapter-stage/adapter.part* > "$step/adapter/adapter_model.safetensors" \
+      && cp /tmp/adapter-stage/adapter_config.json "$step/adapter/" && echo step-000030 > "$RUN/sft/checkpoints/last" || return 1
+    [ "$(sha256sum < "$step/adapter/adapter_model.safetensors" | cut -d' ' -f1)" = "$(cat /tmp/adapter-stage/adapter.sha256)" ] \
+      || { log "the staged warm start's checksum does not match"; return 1; }
+    log "warm start: the staged adapter (no alfrl sft)"; return 0
+  fi
   # the RL update's packing (varlen rows of 16K tokens) and bf16 adapter matmuls (issue "The reference recipe at full speed",
   # item 3); the recipe's own settings if that fails
   if ! timed sft "${ALFRL[@]}" sft --config "$SFT" "${MODEL[@]}" --data.expert_file "$EXPERT" --trainer.default_root_dir "$RUN/sft" \
@@ -160,7 +170,8 @@ case "${1:-}" in
       *gpu-kit*) if [ -f "$2/install.sh" ]; then bash "$2/install.sh" stage "$2"; else bash /tmp/wheel-stage/install.sh stage "$2"; fi ;;
       *gpu-model*) mkdir -p /tmp/model-stage && cp "$2"/qwen.gguf.part* /tmp/model-stage/ ;;
       *gpu-data*) mkdir -p /tmp/gpu-data && cp -r "$2"/. /tmp/gpu-data/ ;;
-      *) echo "stage: give .gpu-kit/cNN, .gpu-model/mNN or .gpu-data" >&2; exit 2 ;;
+      *gpu-adapters*) mkdir -p /tmp/adapter-stage && cp "${@:2}" /tmp/adapter-stage/ ;;  # stage PIECE [CONFIG SHA256]
+      *) echo "stage: give .gpu-kit/cNN, .gpu-model/mNN, .gpu-data or .gpu-adapters/RUN/pieces/adapter.partNN [...]" >&2; exit 2 ;;
     esac && log "staged $2" ;;
   start)  # the job runs from a copy of the checkout: a later call's checkout (edited meanwhile) does not reach it
     rm -rf "$W/repo" && mkdir -p "$W/repo" && tar -c --exclude=./.git --exclude='./.gpu-*' --exclude=./.venv --exclude=./.cache \
