@@ -381,13 +381,18 @@ class AlfrlPolicy(L.LightningModule):
         started = time.perf_counter()
         step, _, _ = next(dataloader_iter)  # StepGames: this rank's games and how to score them (RolloutDataModule)
         optimizer = self.optimizers()
-        self._guard("take", optimizer)  # the first step: the weights and optimizer state as the engine start left them
+        guarded = self.sampler.engine.guard_trainer_memory  # an engine that can write into this process's memory (alfrl.guard)
+        if guarded and self.guard.taken is None:
+            self.guard.take(self.model, optimizer.optimizer)
         rollout = self.sampler.rollout(step.games, step.group_size, step.seed, step.progress)  # 1 rollout
         probe = self.sampler.probe(step.next_games, step.group_size)  # 2 probe: the engine's drift; it sleeps
-        self._guard("check", optimizer)
+        if guarded:
+            self.guard.check(self.model, optimizer.optimizer, "the rollout and the weight sync since the last update")
         samples = make_samples(rollout.groups, step.advantage, step.reward, step.history_length)  # 3 samples
         update = ppo_update(self, optimizer, samples.samples, step.temperature)  # 4 update
-        self._guard("take", optimizer, update)
+        if guarded:
+            self.guard.take(self.model, optimizer.optimizer)
+            update["memory_guard_seconds"] = self.guard.seconds
         self.weight_version += 1
         sync = self.sampler.sync(self, self.sync_check, canary=self.global_step == self.canary_at_step)  # 5 sync
         rollout_metrics = reduce_metrics(rollout.metrics(samples.degenerate_groups, samples.dropped_groups), rollout.groups,
@@ -400,18 +405,6 @@ class AlfrlPolicy(L.LightningModule):
         self.log_dict({k: v for k, v in metrics.items() if k not in shown}, on_step=True, batch_size=1)
         self.log_dict({k: metrics[k] for k in shown if k in metrics}, on_step=True, prog_bar=True, batch_size=1)
 
-    def _guard(self, what: str, optimizer, update: dict | None = None) -> None:
-        """The memory guard (alfrl.guard), with an engine that can write into this process's memory: ``take`` a snapshot
-        (the first step's, and after each update), ``check`` that the rollout and sync since left it as it was."""
-        if not self.sampler.engine.guard_trainer_memory:
-            return
-        raw = optimizer.optimizer if hasattr(optimizer, "optimizer") else optimizer
-        if what == "check":
-            self.guard.check(self.model, raw, "the rollout and the weight sync since the last update")
-        elif update is not None or self.guard.taken is None:
-            self.guard.take(self.model, raw)
-            if update is not None:
-                update["memory_guard_seconds"] = self.guard.seconds
 
 def _as(cls, value):
     """A settings dataclass from itself, a dict (jsonargparse / checkpoints) or a Namespace."""
