@@ -51,6 +51,7 @@ class AdvantageConfig:
     norm: str = "mean_std_norm"
     """Normalisation inside gigpo / hgpo groups: ``mean_std_norm`` or ``mean_norm``."""
     eps: float = 1e-6
+    """Added to a standard deviation before dividing by it."""
     std: str = "auto"
     """``auto`` (unbiased for grpo_std / gigpo, population for hgpo: each one's reference), ``unbiased`` or ``population``."""
     episode_stats: str = "step"

@@ -72,13 +72,19 @@ def _merge(parts: list[Path], games: list, out: Path, config: dict) -> dict:
     return summary
 
 
-def main(argv: list[str]) -> int:
+def parser() -> argparse.ArgumentParser:
+    """``alfrl eval``'s own flags (the rest are recipe keys)."""
     own = argparse.ArgumentParser(prog="alfrl eval", add_help=False)
     own.add_argument("--adapter", default=None, help="checkpoint folder, its adapter/ folder or trainer.ckpt (default: the base model)")
     own.add_argument("--split", type=_splits, default=None, help="valid_seen, valid_unseen or all (default: the recipe's data.eval.splits)")
     own.add_argument("--limit-per-split", type=_positive, default=None, help="evaluate N games of each split, spread over its task types (the same N every time)")
-    own.add_argument("--out", required=True)
-    own.add_argument("--overwrite", action="store_true")
+    own.add_argument("--out", required=True, help="JSONL of every game (an unfinished file is resumed)")
+    own.add_argument("--overwrite", action="store_true", help="start the file afresh when its evaluation settings differ")
+    return own
+
+
+def main(argv: list[str]) -> int:
+    own = parser()
     if "-h" in argv or "--help" in argv:  # before --out is required
         own.print_help()
         print("\nand recipe options: alfrl eval --config RECIPE [--data.eval.temperature 0.01 ...]")

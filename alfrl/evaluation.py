@@ -35,14 +35,22 @@ class EvalConfig:
     """The evaluation protocol (defaults: the reference's)."""
 
     splits: tuple[str, ...] = EVAL_SPLITS
+    """Evaluation splits: ``valid_seen`` (140 games) and/or ``valid_unseen`` (134 games)."""
     limit_per_split: int | None = None
     """Evaluate only N games of each split, spread over its task types (the same N every time)."""
     temperature: float = 0.01
+    """Sampling temperature of the evaluation (the reference's 0.01: near greedy)."""
     top_p: float = 1.0
+    """Nucleus sampling of the evaluation (1.0: off)."""
     seed: int = 42
+    """The run seed: each request's sampling seed depends only on it, the game and the turn."""
     max_episode_steps: int = 50
+    """Environment steps before a game counts as lost."""
     max_trajectory_tokens: int = 12000
+    """Tokens of one game at most (prompt, completions, observations): a completion gets what is left, and the game
+    ends (lost) when its next prompt reaches it."""
     max_assistant_tokens: int = 2048
+    """Tokens one completion (one turn) may sample."""
     games_per_chunk: int = 64
     """Games handed to the rollout runner at a time (their environments are created together)."""
     max_live_games: int = 0

@@ -43,9 +43,11 @@ class LoRAConfig:
     """The adapter trained on the frozen base model."""
 
     rank: int = 32
+    """LoRA rank r of every adapted layer."""
     alpha: int = 64
     """Scaling = alpha / rank."""
     dropout: float = 0.0
+    """Dropout on the adapter's input, in [0, 1)."""
     target_modules: str | list[str] = "all-linear"
     """``all-linear`` (every linear layer but the output layer, of every layer kind) or module names."""
 
@@ -67,9 +69,13 @@ class OptimizerConfig:
     """AdamW on the LoRA weights."""
 
     lr: float = 1e-6
+    """AdamW learning rate (constant; the reference's 1e-6)."""
     betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW's two moment decays, each in [0, 1)."""
     weight_decay: float = 0.0
+    """AdamW's decoupled weight decay on the LoRA weights."""
     eps: float = 1e-8
+    """AdamW's denominator epsilon."""
     grad_clip_norm: float = 1.0
     """Clip the LoRA gradient norm to this (0 = no clipping)."""
 
@@ -127,7 +133,7 @@ class AlfrlPolicy(L.LightningModule):
                 on Hopper with Triton < 3.7.1 unless checked against the PyTorch reference first).
             float32_matmul_precision: torch's, set before each update: the LoRA weights are float32, so peft runs the
                 adapter's matmuls in float32 beside the bf16 base; ``high`` lets them use TF32 tensor cores
-                (10-bit mantissa, still finer than the bf16 base), ``highest`` keeps full float32. Process-wide.
+                (10-bit mantissa, still finer than the bf16 base), ``medium`` bf16, ``highest`` keeps full float32. Process-wide.
             adapter_dtype: what the adapter's matmuls run in when the trainer scores tokens (update, old log-probs,
                 probe): ``float32`` (peft's way: the bf16 activations cast to float32 beside the bf16 base) or
                 ``bfloat16`` (under bf16 autocast, the activations as they are; vLLM serves the adapter in bf16 too).

@@ -33,7 +33,9 @@ class PPOConfig:
     """The PPO-clip update (docs/conventions.md)."""
 
     clip_low: float = 0.8
+    """Lower bound of the clipped ratio pi / pi_old, in (0, 1]."""
     clip_high: float = 1.2
+    """Upper bound of the clipped ratio pi / pi_old, >= 1."""
     dual_clip: float | None = 3.0
     """Bound the loss of negative-advantage tokens at -c A (verl's clip_ratio_c); null: off."""
     log_ratio_clamp: float | None = 20.0

@@ -31,7 +31,7 @@ from alfrl.sft import ExpertDataModule, SFTPolicy
 from callbacks import Checkpointing, PeriodicEval, RolloutProgressBar, SamplerWeightSync
 
 # recipes write ${trainer.default_root_dir}; resolved after overrides, relative to the recipe's root
-set_parsing_settings(omegaconf_absolute_to_relative_paths=True)
+set_parsing_settings(omegaconf_absolute_to_relative_paths=True, docstring_parse_attribute_docstrings=True)
 
 DATA_CONFIGS = {
     "rollout": RolloutConfig,
@@ -343,6 +343,7 @@ class AlfrlCLI(LightningCLI):
     """``alfrl fit``: LightningCLI over AlfrlPolicy and RolloutDataModule with alfrl's callbacks."""
 
     check_data = True
+    prog = "alfrl fit"
     model_class = AlfrlPolicy
     data_class = RolloutDataModule
     trainer_defaults = TRAINER_DEFAULTS
@@ -354,6 +355,11 @@ class AlfrlCLI(LightningCLI):
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
         kwargs.setdefault("auto_configure_optimizers", False)
         super().__init__(self.model_class, self.data_class, *args, **kwargs)
+
+    def _add_subcommands(self, parser: LightningArgumentParser, **kwargs) -> None:
+        super()._add_subcommands(parser, **kwargs)
+        for sub in self._subcommand_parsers.values():  # "usage: alfrl sft ...", not jsonargparse's "alfrl [options] fit"
+            sub.prog = self.prog
 
     def init_parser(self, **kwargs) -> LightningArgumentParser:
         kwargs.setdefault("dump_header", ["alfrl recipe (resolved)"])
@@ -490,6 +496,7 @@ class SFTCLI(AlfrlCLI):
     """``alfrl sft``: the supervised warm start on expert trajectories (same model, logging, checkpoints)."""
 
     trainer_defaults = {**TRAINER_DEFAULTS, "limit_val_batches": None, "num_sanity_val_steps": 0}
+    prog = "alfrl sft"
     model_class = SFTPolicy
     data_class = ExpertDataModule
 

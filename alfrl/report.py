@@ -317,17 +317,21 @@ def training_outputs(rows: list[dict], out: Path) -> list[Path]:
     return [table, png]
 
 
-def main(argv: list[str]) -> int:
+def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="alfrl report", description="Compare alfrl eval results side by side.")
     parser.add_argument("results", nargs="+", help="alfrl eval output files (.jsonl); the first is the baseline")
-    parser.add_argument("--names", nargs="+", default=None)
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--names", nargs="+", default=None, help="one name per results file (default: the files' stems)")
+    parser.add_argument("--out", required=True, help="folder for report.md, summaries.json, the charts (and report.html)")
     parser.add_argument("--train-log", nargs="+", default=None, metavar="RUN_DIR_OR_CSV",
                         help="also plot the training curves of this run (its default_root_dir or metrics.csv files)")
     parser.add_argument("--html", action="store_true", help="also write report.html: every game and trajectory, filterable, self-contained")
     parser.add_argument("--rollouts", nargs="+", default=[], metavar="STEP_JSONL",
                         help="training rollout files (data.save_rollouts) to show in report.html with their group rewards")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    args = parser().parse_args(argv)
     try:
         loaded = load_runs(args.results, args.names)
     except EvalError as e:

@@ -109,10 +109,16 @@ class RolloutConfig:
     enable_thinking: bool | None = None
     """Passed to the chat template when set (Qwen3: False skips the reasoning block)."""
     temperature: float = 1.0
+    """Sampling temperature of the training rollouts (1.0: the policy's own distribution, which PPO's ratio assumes)."""
     top_p: float = 1.0
+    """Nucleus sampling of the training rollouts (1.0: off)."""
     max_episode_steps: int = 50
+    """Environment steps before a trajectory ends unfinished (not won)."""
     max_trajectory_tokens: int = 12000
+    """Tokens of one trajectory at most (prompt, completions, observations): a completion gets what is left, and the
+    trajectory ends when its next prompt reaches it."""
     max_assistant_tokens: int = 2048
+    """Tokens one completion (one turn) may sample."""
     stop_strings: tuple[str, ...] = ()
     """End a completion right after the first of these texts (e.g. ``</action>`` for models that keep writing imagined
     observations after their action): it keeps the sampled tokens up to the one that completes the text."""

@@ -73,7 +73,7 @@ def write_random_model(shape: str, out: str | Path, seed: int = 0, layers: int |
     return out, sum(p.numel() for p in model.parameters())
 
 
-def main(argv: list[str]) -> int:
+def parser():
     import argparse
 
     parser = argparse.ArgumentParser(prog="alfrl random-model", description="Write a random-weight checkpoint of a real model's shape.")
@@ -81,7 +81,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--out", required=True)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--layers", type=int, default=None, help="keep only this many text layers (default: the shape's)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    args = parser().parse_args(argv)
     start = time.perf_counter()
     try:
         out, n = write_random_model(args.shape, args.out, args.seed, args.layers)

@@ -8,6 +8,9 @@
 #   bash bench/lease.sh send                     # 4 more shipped pieces (adapters come back in pieces of 14 MiB, their sha256 in results)
 #   bash bench/lease.sh stage .gpu-adapters/R/pieces/adapter.part00 .gpu-adapters/R/adapter_config.json .gpu-adapters/R/adapter.sha256
 #                                                # then part01, part02, before `start`: the warm start is that adapter, no sft
+#   bash bench/lease.sh stage .gpu-resume/R/trainer.ckpt.part00 .gpu-resume/R/step .gpu-resume/R/trainer.ckpt.sha256
+#                                                # then the other parts (4 a call), before `start`: `learn` resumes from that
+#                                                # checkpoint (--ckpt_path); an earlier lease shipped it as e_learn_step-N_trainer.ckpt
 # .gpu-data holds json_2.1.1.tar.xz and expert.jsonl.gz with its .skipped.json (`alfrl expert --config
 # recipes/qwen15b_coder_h200.yaml`, begun on the CPU; the lease plays the games it did not reach).
 # LANES (default "warmstart evals fits learn"): warmstart: alfrl sft on every plan (adapter and plans shipped); evals: its
@@ -121,7 +124,11 @@ evals() {  # the warm start's 274 games: deterministic, not, deterministic again
       --out "$RUN/$name.jsonl"
     cp "$RUN/$name.summary.json" "$W/results/" 2>/dev/null; grep -h "evaluation time\|in engine steps" "$W/logs/eval_$name.log" >> "$W/results/eval_times.txt"
   done
-  gzip -c "$RUN/det_a.jsonl" > "$W/det_a.jsonl.gz" && ship "$W/det_a.jsonl.gz" c_warmstart_det.jsonl.gz
+  (cd "$RUN" && sha256sum det_a.jsonl det_b.jsonl nondet.jsonl; cmp det_a.jsonl det_b.jsonl && echo "det_a = det_b, byte for byte") \
+    > "$W/results/eval_compare.txt" 2>&1
+  for name in det_a det_b nondet; do  # every record comes back (a few MB each)
+    [ -f "$RUN/$name.jsonl" ] && gzip -c "$RUN/$name.jsonl" > "$W/$name.jsonl.gz" && ship "$W/$name.jsonl.gz" "c_warmstart_$name.jsonl.gz"
+  done
   local names=(); for name in det_a det_b nondet; do [ -f "$RUN/$name.summary.json" ] && names+=("$name"); done
   timed report "${ALFRL[@]}" report $(for n in "${names[@]}"; do echo "$RUN/$n.jsonl"; done) --names "${names[@]}" --out "$W/results/report"
 }
@@ -138,15 +145,28 @@ fits() {  # 3-update fits from the warm start (4 games x 8, 20 steps: the lease'
   done
 }
 
-learn() {  # the learning run, stopped by max_time
+learn() {  # the learning run, stopped by max_time; resumed from a staged trainer.ckpt if one was staged (`stage .gpu-resume/...`)
   local left=$(( ${UNTIL:-0} - $(date +%s) - 100 ))   # one update and a save after the time is up
   [ "$left" -ge 150 ] || { log "learn: $left s left, not started"; return 0; }
-  timed learn "${ALFRL[@]}" fit --config "$LEARN" "${MODEL[@]}" --model.init_adapter "$RUN/sft/checkpoints/last" "${FIT[@]}" \
-    --trainer.max_time "00:00:$(( left / 60 )):$(( left % 60 ))" --trainer.default_root_dir "$RUN/learn"
-  cp "$RUN/learn"/csv/version_0/metrics.csv "$W/results/learn.metrics.csv" 2>/dev/null
+  local resume=()
+  if [ -d /tmp/resume-stage ]; then  # a checkpoint brought back by an earlier lease: the run goes on with --ckpt_path
+    local step; step=$RUN/learn/checkpoints/$(cat /tmp/resume-stage/step) || return 1
+    mkdir -p "$step" && cat /tmp/resume-stage/trainer.ckpt.part* > "$step/trainer.ckpt" && basename "$step" > "$RUN/learn/checkpoints/last" || return 1
+    [ "$(sha256sum < "$step/trainer.ckpt" | cut -d' ' -f1)" = "$(cut -d' ' -f1 /tmp/resume-stage/trainer.ckpt.sha256)" ] \
+      || { log "the staged checkpoint's checksum does not match"; return 1; }
+    resume=(--ckpt_path "$step/trainer.ckpt"); log "learn: resuming from $(basename "$step")"
+  fi
+  # the trainer's free memory in one piece (the recipe's header: 8,192-token rows ran out of memory on an H100 without it)
+  timed learn env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "${ALFRL[@]}" fit --config "$LEARN" "${MODEL[@]}" \
+    --model.init_adapter "$RUN/sft/checkpoints/last" "${FIT[@]}" "${resume[@]}" \
+    --trainer.max_time "$(printf '00:%02d:%02d:%02d' $(( left / 3600 )) $(( left / 60 % 60 )) $(( left % 60 )))" \
+    --trainer.default_root_dir "$RUN/learn"
+  cat "$RUN/learn"/csv/version_*/metrics.csv > "$W/results/learn.metrics.csv" 2>/dev/null
   local last; last=$(last_step "$RUN/learn/checkpoints") && log "learn: last checkpoint $last" || return 1
   cp "$last/adapter/adapter_config.json" "$W/results/learn_adapter_config.json" 2>/dev/null
+  basename "$last" > "$W/results/learn_last_step"
   ship "$last/adapter/adapter_model.safetensors" "d_learn_$(basename "$last")_adapter.safetensors"
+  ship "$last/trainer.ckpt" "e_learn_$(basename "$last")_trainer.ckpt"   # the next lease resumes from it
 }
 
 send() {  # up to 4 shipped pieces (56 MiB; $OUT takes 8 files, 64 MiB) into $OUT, first name first; each piece goes once
@@ -171,7 +191,8 @@ case "${1:-}" in
       *gpu-model*) mkdir -p /tmp/model-stage && cp "$2"/qwen.gguf.part* /tmp/model-stage/ ;;
       *gpu-data*) mkdir -p /tmp/gpu-data && cp -r "$2"/. /tmp/gpu-data/ ;;
       *gpu-adapters*) mkdir -p /tmp/adapter-stage && cp "${@:2}" /tmp/adapter-stage/ ;;  # stage PIECE [CONFIG SHA256]
-      *) echo "stage: give .gpu-kit/cNN, .gpu-model/mNN, .gpu-data or .gpu-adapters/RUN/pieces/adapter.partNN [...]" >&2; exit 2 ;;
+      *gpu-resume*) mkdir -p /tmp/resume-stage && cp "${@:2}" /tmp/resume-stage/ ;;  # stage trainer.ckpt.partNN [step trainer.ckpt.sha256]
+      *) echo "stage: give .gpu-kit/cNN, .gpu-model/mNN, .gpu-data, .gpu-adapters/RUN/pieces/adapter.partNN [...] or .gpu-resume/RUN/..." >&2; exit 2 ;;
     esac && log "staged $2" ;;
   start)  # the job runs from a copy of the checkout: a later call's checkout (edited meanwhile) does not reach it
     rm -rf "$W/repo" && mkdir -p "$W/repo" && tar -c --exclude=./.git --exclude='./.gpu-*' --exclude=./.venv --exclude=./.cache \

@@ -91,13 +91,14 @@ def test_unknown_key_is_one_clear_line():
     assert "alfrl: recipe error:" in out.stderr and "lrr" in out.stderr and "Traceback" not in out.stderr
 
 
-def test_swanlab_online_without_a_login_or_a_terminal_is_one_line_before_any_model_loads(tmp_path, tiny_model_dir, capfd,
-                                                                                            monkeypatch):
+def test_swanlab_online_without_a_login_or_a_terminal_is_one_line_before_any_model_loads(tmp_path, tiny_model_dir, data_dir,
+                                                                                            capfd, monkeypatch):
     """A batch job (no TTY) with an online SwanLab logger and no saved or given API key: SwanLab would stop the run with a
     traceback once the model had loaded; the recipe check names the fix instead. With a key it is no problem."""
     online = tmp_path / "online.yaml"
-    online.write_text(Path("recipes/tiny.yaml").read_text().replace("        mode: offline", "        mode: online"))
+    online.write_text(Path("recipes/tiny.yaml").read_text().replace("        mode: local", "        mode: online"))
     monkeypatch.setenv("HOME", str(tmp_path))  # no saved login there
+    monkeypatch.setenv("ALFWORLD_DATA", data_dir)  # the games stay where they are
     monkeypatch.delenv("SWANLAB_API_KEY", raising=False)
     out = _fit(capfd, "--config", str(online), "--model.model_name", tiny_model_dir)
     assert out.returncode == 2, out.stderr

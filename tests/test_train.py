@@ -1,9 +1,13 @@
 """End to end on CPU: `make train` on the tiny recipe, and resuming gives the uninterrupted weights."""
 
 import csv
+import json
 import os
+import socket
 import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -70,6 +74,40 @@ def test_make_train_runs_the_tiny_recipe(tmp_path, data_dir, tiny_model_dir):
     assert [float(r["engine/probe_drift"]) for r in rows] == [0.0, 0.0]
     # the HF engine's copy has the trainer's weights: sampler and trainer log-probs agree
     assert abs(float(rows[0]["train/sampler_minus_trainer_logprob"])) < 1e-3
+    _dashboard_shows(root / "swanlog", rows)
+
+
+def _dashboard_shows(logdir: Path, rows: list[dict]) -> None:
+    """README's command, `swanlab watch RUN/swanlog`, serves the run: its experiment and charts read back over the
+    dashboard's API on localhost; then it stops."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    swanlab = Path(sys.executable).parent / "swanlab"
+    server = subprocess.Popen([str(swanlab), "watch", str(logdir), "-h", "127.0.0.1", "-p", str(port)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        api = f"http://127.0.0.1:{port}/api/v1/project"
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with urllib.request.urlopen(api, timeout=5) as r:
+                    project = json.load(r)["data"]
+                break
+            except OSError:
+                assert server.poll() is None and time.monotonic() < deadline, server.stdout.read() if server.poll() is not None else "no answer in 60 s"
+                time.sleep(0.5)
+        assert project["name"] == "alfrl" and [e["name"] for e in project["experiments"]] == ["tiny"]
+        with urllib.request.urlopen(api + "/summaries", timeout=10) as r:
+            summaries = json.load(r)["data"]
+        assert {"train/loss", "rollout/success_rate", "sync/total_seconds"} <= set(summaries["tags"])
+        assert list(summaries["summaries"]) == ["tiny"]
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/v1/experiment/{project['experiments'][0]['id']}/chart", timeout=10) as r:
+            charts = json.load(r)["data"]
+        assert len(charts["charts"]) >= len([k for k in rows[0] if "/" in k]) // 2  # a chart per logged metric
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
 
 
 def _fit(root: Path, data_dir: str, model: str, *extra: str, logger: bool = False) -> None:
