@@ -45,10 +45,10 @@ test: setup data tiny-model
 train: setup data tiny-model
 	$(ALFRL) fit --config $(RECIPE) $(ARGS)
 
-# make eval [RECIPE=...] [CKPT=runs/x/checkpoints/last] [SPLIT=all] [LIMIT=N] [OUT=file.jsonl]
+# make eval [RECIPE=...] [CKPT=runs/x/checkpoints/last] [SPLIT=all] [LIMIT=N] [OUT=file.jsonl] [OVERWRITE=1]
 eval: setup data tiny-model
 	$(ALFRL) eval --config $(EVAL_RECIPE) $(if $(CKPT),--adapter $(CKPT)) --split $(SPLIT) \
-		$(if $(LIMIT),--limit-per-split $(LIMIT)) --out $(OUT) $(ARGS)
+		$(if $(LIMIT),--limit-per-split $(LIMIT)) --out $(OUT) $(if $(OVERWRITE),--overwrite) $(ARGS)
 
 bench: setup data
 	$(PY) bench/env_throughput.py --out bench/out/env_throughput.json

@@ -124,7 +124,7 @@ def _play(argv: list[str]) -> int:
 
     args = _play_parser().parse_args(argv)
     traj = play(args.game, args.data_dir, args.walkthrough, args.action_format, args.context, args.max_steps, args.model)
-    return 0 if traj.stop_reason in ("won", "max_steps", "env_done") else 1
+    return 0 if traj is None or traj.stop_reason in ("won", "max_steps", "env_done") else 1
 
 
 def _split_own_args(argv: list[str], own: argparse.ArgumentParser) -> tuple[argparse.Namespace, list[str]]:

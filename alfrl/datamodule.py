@@ -100,7 +100,7 @@ class RolloutDataModule(L.LightningDataModule):
             env: environment worker pool.
             eval: the evaluation protocol (``alfrl eval`` and periodic evaluation).
             save_rollouts: write every step's trajectories (texts, rewards, no token ids) to
-                ``<trainer.default_root_dir>/rollouts/step-NNNNNN-rankR.jsonl``.
+                ``<trainer.default_root_dir>/rollouts/step-NNNNNN-rankR.jsonl`` (update N, the one saved as checkpoint step-N).
             accept_changed_games: resume a checkpoint although the training game list differs from
                 the one it was trained on (its fingerprint is stored in every checkpoint); by default
                 such a resume stops, since the seeded order, and so the games played, would change.
@@ -227,7 +227,7 @@ class RolloutDataModule(L.LightningDataModule):
                          next_games=self.step_games(advance=False) if self.env_cfg.prefetch_resets else [],
                          advantage=self.advantage, reward=self.reward, history_length=self.rollout.history_length,
                          temperature=self.rollout.temperature,
-                         rollouts_file=str(folder / f"step-{self.step:06d}-rank{rank}.jsonl") if folder else None,
+                         rollouts_file=str(folder / f"step-{self.step + 1:06d}-rank{rank}.jsonl") if folder else None,  # update N: checkpoint step-N
                          progress=self.progress_listener)
         self.step += 1
         return plan

@@ -225,6 +225,16 @@ def write_results(path: Path, header: dict, records: list[dict], summary: dict |
     os.replace(tmp, path)
 
 
+def changed_keys(old, new, prefix: str = "") -> list[str]:
+    """``key: old -> new`` for every leaf that differs between two (nested) configurations."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        out = []
+        for key in sorted(set(old) | set(new), key=str):
+            out += changed_keys(old.get(key), new.get(key), f"{prefix}{key}.")
+        return out
+    return [] if old == new else [f"{prefix.rstrip('.')}: {old!r} -> {new!r}"]
+
+
 def _read_existing(path: Path) -> tuple[dict | None, list[dict]]:
     """(header, game records) of an existing output; a torn tail (an interrupted write: a cut line, bytes that are not
     UTF-8) is dropped, every whole record before it kept."""
@@ -271,9 +281,10 @@ def run_eval(
     if out.exists() and not overwrite:
         old_header, records = _read_existing(out)
         if old_header is not None and old_header.get("config_hash") != header["config_hash"]:
+            changed = changed_keys(old_header.get("config"), header["config"])
             raise EvalError(
-                f"{out} holds an evaluation with a different configuration ({old_header.get('config')}); "
-                "pass --overwrite to replace it or choose another --out"
+                f"{out} holds an evaluation with a different configuration ({'; '.join(changed[:8]) or 'the game list'}"
+                f"{'; ...' if len(changed) > 8 else ''}): pass --overwrite (make eval OVERWRITE=1) to replace it or choose another --out"
             )
         if old_header is not None:
             done = {r["game_id"]: r for r in records}

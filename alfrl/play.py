@@ -51,6 +51,13 @@ class ConsoleEngine(InProcessEngine):
         return results
 
 
+QUIT = ("quit", "exit")
+
+
+class Quit(Exception):
+    """The person ended the game (``quit``, ``exit`` or Ctrl-D)."""
+
+
 def _tokenizer(model: str | None):
     if model:
         from transformers import AutoTokenizer
@@ -71,8 +78,9 @@ def play(
     model: str | None = None,
     out=None,
     read: Callable[[], str] | None = None,
-) -> Trajectory:
-    """Play ``game``, printing to ``out`` (default: the stdout of the call); returns its trajectory after printing the outcome."""
+) -> Trajectory | None:
+    """Play ``game``, printing to ``out`` (default: the stdout of the call); returns its trajectory after printing the
+    outcome, or None when the person quit."""
     out = out if out is not None else sys.stdout
     g = find_game(data_dir, game)
     try:
@@ -91,14 +99,25 @@ def play(
                 return "look"
     else:
         reader = read or (lambda: input("\n> "))
+        out.write("(type an action; `quit` or Ctrl-D ends the game)\n")
 
         def next_action() -> str:
-            return reader().strip() or "look"
+            try:
+                typed = reader().strip()
+            except EOFError:
+                raise Quit from None
+            if typed.lower() in QUIT:
+                raise Quit
+            return typed or "look"
 
     cfg = RolloutConfig(action_format=action_format, context=context, max_episode_steps=max_steps, max_trajectory_tokens=10**9, max_assistant_tokens=512)
     with EnvPool(num_workers=1) as pool:
         runner = RolloutRunner(ConsoleEngine(fmt, next_action, out), pool, fmt, cfg, RewardConfig())
-        (group,) = runner.run([g], group_size=1, seed=0)
+        try:
+            (group,) = runner.run([g], group_size=1, seed=0)
+        except Quit:
+            out.write(f"\n\ngame {g.id}: quit\n")
+            return None
     if group.failed is not None:
         raise DataError(f"game {g.id} could not be played: {group.failed}")
     traj = group.trajectories[0]

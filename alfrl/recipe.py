@@ -13,6 +13,7 @@ model's context, missing data) and stops with one line per problem, naming the k
 from __future__ import annotations
 
 import sys
+import warnings
 from pathlib import Path
 
 from jsonargparse import ActionConfigFile, Namespace, set_parsing_settings
@@ -32,6 +33,17 @@ from callbacks import Checkpointing, PeriodicEval, RolloutProgressBar, SamplerWe
 
 # recipes write ${trainer.default_root_dir}; resolved after overrides, relative to the recipe's root
 set_parsing_settings(omegaconf_absolute_to_relative_paths=True, docstring_parse_attribute_docstrings=True)
+
+# library warnings every fit printed, each understood and not the user's to act on
+KNOWN_WARNINGS = (
+    r"Found `dataloader_iter` argument in the `training_step`",  # the training step reads one StepGames per update on purpose
+    r"You are using the `dataloader_iter` step flavor",
+    r"Found \d+ module\(s\) in eval mode at the start of training",  # the frozen base model's dropout-free layers
+    r"`isinstance\(treespec, LeafSpec\)` is deprecated",  # Lightning's own call into torch
+    r"`is_gradient_checkpointing` is deprecated",  # peft's call into transformers
+)
+for _message in KNOWN_WARNINGS:
+    warnings.filterwarnings("ignore", message=_message)
 
 DATA_CONFIGS = {
     "rollout": RolloutConfig,
@@ -464,7 +476,7 @@ def main_fit(args: list[str], cli: type[AlfrlCLI] = AlfrlCLI, name: str = "fit")
     """``alfrl fit`` (or ``alfrl sft``): 0 when training ended, 2 with one message for a recipe or data problem, 1 when an
     engine or a weight sync stopped it (its message last)."""
     try:
-        run_cli(cli, ["fit", *args])
+        done = run_cli(cli, ["fit", *args])
     except (RecipeError, DataError) as e:
         print(e if isinstance(e, RecipeError) else f"alfrl {name}: {e}", file=sys.stderr)
         return EXIT_RECIPE
@@ -473,7 +485,36 @@ def main_fit(args: list[str], cli: type[AlfrlCLI] = AlfrlCLI, name: str = "fit")
         if code is None:
             raise
         return code
+    if done.trainer.is_global_zero:
+        print(finished_message(done.trainer, _recipe_arg(args), name))
     return 0
+
+
+def _recipe_arg(args: list[str]) -> str:
+    for i, a in enumerate(args):
+        if a in ("-c", "--config") and i + 1 < len(args):
+            return args[i + 1]
+        if a.startswith("--config="):
+            return a.split("=", 1)[1]
+    return "RECIPE"
+
+
+def finished_message(trainer, recipe: str, name: str = "fit") -> str:
+    """Where a finished run's outputs are, and the command that uses its newest checkpoint."""
+    root = Path(trainer.default_root_dir)
+    saver = next((c for c in trainer.callbacks if isinstance(c, Checkpointing)), None)
+    folder = saver.folder(trainer) if saver else root / "checkpoints"
+    last = folder / "last"
+    metrics = f"metrics: {root}/csv, " if (root / "csv").is_dir() else ""
+    lines = [f"alfrl {name}: finished at update {trainer.global_step}; the run is in {root} ({metrics}"
+             f"checkpoints: {folder}" + (f", newest {last.read_text().strip()})" if last.is_file() else ")")]
+    if last.is_file():
+        if name == "sft":
+            lines.append(f"  RL from it: alfrl fit --config RECIPE --model.init_adapter {last}")
+        else:
+            lines.append(f"  evaluate it: alfrl eval --config {recipe} --adapter {last} --out {root}/eval.jsonl")
+            lines.append(f"  go on with it: alfrl fit --config {recipe} --ckpt_path {last} --trainer.max_steps N")
+    return "\n".join(lines)
 
 
 def sft_problems(cfg: Namespace, check_model: bool = True) -> list[str]:

@@ -79,7 +79,7 @@ class Checkpointing(L.Callback):
             tmp.mkdir(parents=True)
         trainer.strategy.barrier("alfrl_checkpoint_start")
         try:
-            trainer.save_checkpoint(tmp / CKPT_FILE)  # every rank takes part; rank 0 writes
+            trainer.save_checkpoint(tmp / CKPT_FILE, weights_only=False)  # every rank takes part; rank 0 writes; the full state
             if trainer.is_global_zero:
                 save_adapter(policy.model, tmp / "adapter")
                 if self.save_merged:

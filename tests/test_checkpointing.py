@@ -63,7 +63,7 @@ class _FullDiskTrainer:
         self.global_step, self.default_root_dir, self.is_global_zero = step, str(root), True
         self.strategy = SimpleNamespace(barrier=lambda name: None)
 
-    def save_checkpoint(self, path):
+    def save_checkpoint(self, path, weights_only=None):
         Path(path).write_bytes(b"half a checkpoint")
         raise OSError(errno.ENOSPC, "No space left on device")
 
@@ -85,7 +85,7 @@ def test_a_full_disk_is_one_clear_line_and_leaves_the_last_checkpoint_as_it_was(
 
 def test_other_os_errors_pass_through(tmp_path):
     class Denied(_FullDiskTrainer):
-        def save_checkpoint(self, path):
+        def save_checkpoint(self, path, weights_only=None):
             raise PermissionError(errno.EACCES, "Permission denied")
 
     with pytest.raises(PermissionError):

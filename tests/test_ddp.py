@@ -79,7 +79,7 @@ def test_a_one_process_checkpoint_resumes_on_two(tmp_path, data_dir, tiny_model_
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert (root / "checkpoints" / "last").read_text() == "step-000002"
     # step 1 (one process) played games 0-1 of the shuffled list; step 2 (two ranks) games 2 and 3, one each
-    first = {json.loads(line)["game_id"] for line in (root / "rollouts" / "step-000000-rank0.jsonl").read_text().splitlines()}
-    second = [{json.loads(line)["game_id"] for line in (root / "rollouts" / f"step-000001-rank{r}.jsonl").read_text().splitlines()} for r in (0, 1)]
+    first = {json.loads(line)["game_id"] for line in (root / "rollouts" / "step-000001-rank0.jsonl").read_text().splitlines()}
+    second = [{json.loads(line)["game_id"] for line in (root / "rollouts" / f"step-000002-rank{r}.jsonl").read_text().splitlines()} for r in (0, 1)]
     assert len(first) == 2 and all(len(s) == 1 for s in second)
     assert not first & (second[0] | second[1]) and not second[0] & second[1]

@@ -107,8 +107,10 @@ def test_an_interrupted_eval_keeps_every_finished_game_and_resumes_to_the_same_s
     assert run_eval(runner, games, cfg, tmp_path / "parts.jsonl", config, on_game=lambda d, t: played.append(d)) == whole
     assert played == [2, 3, 4]
     # a different configuration is refused unless --overwrite
-    with pytest.raises(EvalError, match="--overwrite"):
-        run_eval(runner, games, cfg, tmp_path / "parts.jsonl", {"model": "other"})
+    changed = {**config, "model": "other"} if isinstance(config, dict) else {"model": "other"}
+    with pytest.raises(EvalError, match="--overwrite") as refused:
+        run_eval(runner, games, cfg, tmp_path / "parts.jsonl", changed)
+    assert "model: " in str(refused.value) and "-> 'other'" in str(refused.value) and len(str(refused.value)) < 400  # the key, not the dict
     assert run_eval(runner, games[:2], cfg, tmp_path / "parts.jsonl", {"model": "other"}, overwrite=True)["overall"]["games"] == 2
 
 

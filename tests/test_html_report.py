@@ -73,7 +73,7 @@ def test_rollouts_show_group_rewards_and_advantages(evals, tiny_model_dir, tiny_
     with EnvPool(num_workers=2) as pool:  # a real training rollout of the tiny model: 2 games x 3
         engine = HFEngine(AutoModelForCausalLM.from_pretrained(tiny_model_dir), tiny_tokenizer.pad_token_id)
         groups = RolloutRunner(engine, pool, fmt, cfg, RewardConfig()).run(games[:2], 3, seed=5)
-    dump = tmp_path / "step-000000-rank0.jsonl"  # what data.save_rollouts writes
+    dump = tmp_path / "step-000001-rank0.jsonl"  # what data.save_rollouts writes
     dump.write_text("".join(json.dumps(r) + "\n" for r in rollout_records(groups)))
     data = _data(build_page([], "", [], [("step 0", dump)]))
     (run,) = data["runs"]

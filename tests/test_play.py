@@ -2,6 +2,8 @@
 
 import io
 
+import pytest
+
 from alfrl.play import play
 from tests.helpers import alfrl_here
 
@@ -25,3 +27,21 @@ def test_a_person_plays_by_typing_actions(data_dir, valid_games):
     traj = play(game.id, data_dir, action_format="action_tag", out=buf, read=lambda: next(typed))
     assert traj.won and traj.invalid_actions == 1
     assert "Status: action not admissible ('fly away' is not one of the available actions)." in buf.getvalue()
+
+
+@pytest.mark.parametrize("ending", ["quit", "eof"])
+def test_quit_or_ctrl_d_ends_the_game_without_a_traceback(data_dir, valid_games, ending):
+    game = next(g for g in valid_games if g.id.startswith(GAME))
+    typed = iter(["look"])
+
+    def read() -> str:
+        try:
+            return next(typed)
+        except StopIteration:
+            if ending == "eof":
+                raise EOFError from None
+            return "quit"
+
+    buf = io.StringIO()
+    assert play(game.id, data_dir, action_format="action_tag", out=buf, read=read) is None
+    assert buf.getvalue().rstrip().endswith(f"game {game.id}: quit")

@@ -41,6 +41,11 @@ def test_make_train_runs_the_tiny_recipe(tmp_path, data_dir, tiny_model_dir):
     out = subprocess.run(["make", "train", "RECIPE=recipes/tiny.yaml", f"ARGS={args}", f"DATA_DIR={data_dir}", f"TINY_MODEL={tiny_model_dir}"],
                          cwd=REPO, env=_env(data_dir), capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "update: 100%" in out.stdout and "2/2 [" in out.stdout and "Epoch 0" not in out.stdout  # the bar counts updates
+    # where the outputs are, and the next commands, ready to paste
+    assert f"alfrl fit: finished at update 2; the run is in {root}" in out.stdout
+    assert f"evaluate it: alfrl eval --config recipes/tiny.yaml --adapter {root}/checkpoints/last --out {root}/eval.jsonl" in out.stdout
+    assert "weights_only" not in out.stdout + out.stderr and "dataloader_iter" not in out.stderr  # no library noise
     assert (root / "checkpoints" / "step-000002" / "adapter" / "adapter_config.json").is_file()
     assert (root / "checkpoints" / "step-000002" / "trainer.ckpt").is_file()
     assert (root / "checkpoints" / "last").read_text() == "step-000002"
@@ -110,11 +115,12 @@ def _dashboard_shows(logdir: Path, rows: list[dict]) -> None:
         server.wait(timeout=30)
 
 
-def _fit(root: Path, data_dir: str, model: str, *extra: str, logger: bool = False) -> None:
+def _fit(root: Path, data_dir: str, model: str, *extra: str, logger: bool = False) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "alfrl.cli", "fit", "--config", "recipes/tiny.yaml", "--trainer.default_root_dir", str(root),
            "--model.model_name", model, *(() if logger else ("--trainer.logger", "false")), *extra]
     out = subprocess.run(cmd, cwd=REPO, env=_env(data_dir), capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return out
 
 
 def test_resume_gives_the_same_lora_weights_as_an_uninterrupted_run(tmp_path, data_dir, tiny_model_dir):
@@ -123,13 +129,14 @@ def test_resume_gives_the_same_lora_weights_as_an_uninterrupted_run(tmp_path, da
     _fit(whole, data_dir, tiny_model_dir, "--trainer.max_steps", "2", "--data.save_rollouts", "true", *short)
     # the same fit again (data.rollout.deterministic: the hf engine always is): the same trajectories and adapters to the bit
     _fit(again, data_dir, tiny_model_dir, "--trainer.max_steps", "2", "--data.save_rollouts", "true", *short)
-    for name in ("step-000000-rank0.jsonl", "step-000001-rank0.jsonl"):
+    for name in ("step-000001-rank0.jsonl", "step-000002-rank0.jsonl"):  # update N: beside checkpoint step-N
         assert (whole / "rollouts" / name).read_bytes() == (again / "rollouts" / name).read_bytes(), name
     for step in (1, 2):
         first, second = _adapter(whole, step), _adapter(again, step)
         assert set(first) == set(second) and all(torch.equal(first[k], second[k]) for k in first), step
     _fit(parts, data_dir, tiny_model_dir, "--trainer.max_steps", "1", *short)
-    _fit(parts, data_dir, tiny_model_dir, "--trainer.max_steps", "2", "--ckpt_path", str(parts / "checkpoints" / "last"), *short)
+    out = _fit(parts, data_dir, tiny_model_dir, "--trainer.max_steps", "2", "--ckpt_path", str(parts / "checkpoints" / "last"), *short)
+    assert "update: 100%" in out.stdout and "| 2/2 [" in out.stdout and "?" not in out.stdout.split("update:")[-1]  # not "1/?"
     one, two = _adapter(whole, 1), _adapter(whole, 2)
     assert any(not (one[k] == two[k]).all() for k in one), "step 2 changed nothing: the test would prove nothing"
     resumed = _adapter(parts, 2)
