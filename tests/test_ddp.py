@@ -28,7 +28,7 @@ def test_two_ranks_take_disjoint_games_and_stay_identical(tmp_path, data_dir, ti
     for a, b in zip(records[0], records[1]):
         assert a["lora"] == b["lora"], "the ranks' LoRA weights differ after an update"
     assert records[0][0]["lora"] != records[0][1]["lora"]  # the updates did change the weights
-    for step in (0, 1):
+    for step in (1, 2):  # update N's rollouts: step-N, beside checkpoint step-N
         games = {}
         trajs = []
         for rank in (0, 1):
@@ -39,7 +39,7 @@ def test_two_ranks_take_disjoint_games_and_stay_identical(tmp_path, data_dir, ti
         assert not games[0] & games[1] and len(games[0]) == len(games[1]) == 2
         with open(next(root.glob("lightning_logs/version_*/metrics.csv"))) as f:
             rows = [r for r in csv.DictReader(f) if r.get("rollout/success_rate")]
-        logged = rows[step]
+        logged = rows[step - 1]
         assert float(logged["rollout/trajectories"]) == 16.0
         assert float(logged["rollout/reward_mean"]) == pytest.approx(sum(t["reward"] for t in trajs) / 16, abs=1e-6)
         assert float(logged["rollout/success_rate"]) == pytest.approx(sum(t["won"] for t in trajs) / 16, abs=1e-6)
