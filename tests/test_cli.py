@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from alfrl import cli
-from alfrl.recipe import SFTCLI, RecipeError, main_fit, parse_recipe
+from alfrl.recipe import SFTCLI, AlfrlCLI, RecipeError, main_fit, parse_recipe
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPE_SECTIONS = ("--model.", "--data.", "--checkpoint.", "--weight_sync.", "--periodic_eval.", "--progress_bar.")
@@ -129,7 +129,7 @@ def _check_parses(argv: list[str], capsys) -> None:
     command, args = argv[0], argv[1:]
     if command in ("fit", "sft"):
         try:
-            code = main_fit([a for a in args if a != "--print_config"] + ["--print_config"], SFTCLI if command == "sft" else cli_fit(), command)
+            code = main_fit([a for a in args if a != "--print_config"] + ["--print_config"], SFTCLI if command == "sft" else AlfrlCLI, command)
         except SystemExit as e:
             code = e.code
         assert code in (0, None), capsys.readouterr().err[-500:]
@@ -144,12 +144,6 @@ def _check_parses(argv: list[str], capsys) -> None:
             raise AssertionError(f"recipe part of {argv}: {e}") from None
     else:
         parser.parse_args(args)
-
-
-def cli_fit():
-    from alfrl.recipe import AlfrlCLI
-
-    return AlfrlCLI
 
 
 DOCUMENTED = _documented_lines()
