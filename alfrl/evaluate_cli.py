@@ -116,6 +116,14 @@ def main(argv: list[str]) -> int:
 
     device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
     adapter_file = None
+    if args.adapter:  # a missing, damaged or mismatched adapter: one line before the model loads
+        from alfrl.checkpoints import check_adapter
+
+        try:
+            check_adapter(args.adapter, policy.lora.rank, policy.lora.alpha)
+        except (FileNotFoundError, ValueError) as e:
+            print(f"alfrl eval: --adapter {args.adapter}: {e}", file=sys.stderr)
+            return 2
     if dm.engine_cfg.kind == "hf" or args.adapter:
         policy.configure_model()
         policy.to(device)

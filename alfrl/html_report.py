@@ -10,8 +10,9 @@ trajectory's reward, its group's rewards and its advantage (reward - group mean)
 
 No server and no network: inline CSS and JavaScript, the data as one JSON block in which every
 distinct text is stored once (loops repeat the same observations), and only the selected game is
-drawn, so 274 games x 2 runs stay a few MB. ``report.html#run=0&other=1&game=ID`` opens a game
-directly (what ``bench/html_screenshot.sh`` photographs).
+drawn, so 274 games x 2 runs stay a few MB. ``report.html#run=0&other=1&game=ID`` opens a game directly
+(``&group=G&index=I``: a training trajectory; the address bar and each game's "link" give it), what
+``bench/html_screenshot.sh`` photographs.
 """
 
 from __future__ import annotations
@@ -160,17 +161,20 @@ D.runs.forEach((r,i)=>{for(const id of ['run','other']){const o=document.createE
 const all=D.runs.flatMap(r=>r.games);fill($('split'),[...new Set(all.map(g=>g.split))].sort());
 fill($('task'),[...new Set(all.map(g=>g.task_type))].sort());fill($('stop'),[...new Set(all.map(g=>g.stop))].sort());
 function key(g){return g.id+(g.group!==undefined?'#'+g.group+'.'+g.index:'');}
+function traj(g){return `group ${esc(g.group)}, trajectory ${Number.isInteger(g.index)?g.index+1:esc(g.index)} of ${g.group_rewards.length}`;}
+function link(g){const q=new URLSearchParams({run:$('run').value});if($('other').value!=='')q.set('other',$('other').value);q.set('game',g.id);
+if(g.group!==undefined){q.set('group',g.group);q.set('index',g.index);}return '#'+q.toString();}
 function list(){const r=D.runs[+$('run').value],f={split:$('split').value,task:$('task').value,o:$('outcome').value,stop:$('stop').value};
 const gs=r.games.filter(g=>(!f.split||g.split==f.split)&&(!f.task||g.task_type==f.task)&&(!f.o||(f.o=='won')==g.won)&&(!f.stop||g.stop==f.stop));
 $('count').textContent=gs.length+' of '+r.games.length+' games';
-$('list').innerHTML=gs.map((g,i)=>`<div class="game" data-k="${esc(key(g))}"><span class="${g.won?'won':'lost'}">${g.won?'won':'lost'}</span> ${esc(g.id)} <span class="meta">${g.turns.length} turns, ${esc(g.stop)}${g.advantage!==undefined?', adv '+num(g.advantage,3):''}</span></div>`).join('');
+$('list').innerHTML=gs.map((g,i)=>`<div class="game" data-k="${esc(key(g))}"><span class="${g.won?'won':'lost'}">${g.won?'won':'lost'}</span> ${esc(g.id)} <span class="meta">${g.group_rewards?traj(g)+', reward '+num(g.reward,2)+', adv '+num(g.advantage,3)+', ':''}${g.turns.length} turns, ${esc(g.stop)}</span></div>`).join('');
 for(const el of document.querySelectorAll('.game'))el.onclick=()=>show(el.dataset.k);}
 function turns(g){const seen={},out=[];
 for(const [i,t] of g.turns.entries()){const act=S[t[2]],loop=act&&seen[act]!==undefined;if(act&&!loop)seen[act]=i;out.push({t,i,loop,first:loop?seen[act]:null});}return out;}
 function head(g){if(!g)return '<p class="meta">not played in this run</p>';
 let h=`<h3 class="${g.won?'won':'lost'}">${g.won?'won':'lost'}: ${esc(g.task||'')}</h3><div class="meta">${esc(g.id)} | ${esc(g.task_type)} | stop: ${esc(g.stop)} | reward ${num(g.reward,2)} | invalid actions ${esc(g.invalid)}</div>`;
-if(g.group_rewards)h+=`<div class="meta">group ${esc(g.group)}, trajectory ${esc(g.index)}: advantage ${num(g.advantage,3)}; group rewards [${g.group_rewards.map(x=>num(x,2)).join(', ')}]</div>`;
-return h+`<div class="obs">${esc(S[g.first])}</div>`;}
+if(g.group_rewards)h+=`<div class="meta">${traj(g)}: reward ${num(g.reward,2)}, advantage ${num(g.advantage,3)}; group rewards [${g.group_rewards.map(x=>num(x,2)).join(', ')}]</div>`;
+return h+`<div class="meta"><a href="${esc(link(g))}">link to this ${g.group_rewards?'trajectory':'game'}</a></div><div class="obs">${esc(S[g.first])}</div>`;}
 function body(g){if(!g)return [];const out=[];
 for(const {t,i,loop,first} of turns(g)){
 let h=`<div class="turn${t[3]&&t[4]?'':' bad'}${loop?' loop':''}"><div class="meta">turn ${i+1} | prompt ${esc(t[7])} tokens, completion ${esc(t[8])} | <span class="tag ${t[3]?'ok':'no'}">${t[3]?'well formed':'bad format'}</span><span class="tag ${t[4]?'ok':'no'}">${t[4]?'admissible':'not admissible'}</span>${loop?'<span class="tag no">repeats turn '+(first+1)+'</span>':''}${S[t[9]]?' '+esc(S[t[9]]):''}</div>`;
@@ -178,10 +182,11 @@ if(S[t[0]])h+=`<div class="think">${esc(S[t[0]])}</div>`;
 h+=`<div class="act">${esc(S[t[2]]||S[t[1]])}</div><div class="meta">${esc(S[t[5]])}</div><div class="obs">${esc(S[t[6]])}</div></div>`;out.push(h);}
 if(g.stop=='trajectory_too_long')out.push('<div class="budget">The token budget ran out here: the next prompt would not have fit.</div>');return out;}
 function show(k){const a=D.runs[+$('run').value].games.find(g=>key(g)==k),o=$('other').value;
+if(a&&typeof history!=='undefined'&&history.replaceState)history.replaceState(null,'',link(a));  // the address bar links here
 if(o===''){$('right').innerHTML=head(a)+body(a).join('');return;}const b=D.runs[+o].games.find(g=>key(g)==k);
 const A=body(a),B=body(b);let rows='';for(let i=0;i<Math.max(A.length,B.length);i++)rows+=`<div class="cols"><div class="col">${A[i]||''}</div><div class="col">${B[i]||''}</div></div>`;
 $('right').innerHTML=`<div class="cols"><div class="col"><h4>${esc(D.runs[+$('run').value].name)}</h4>${head(a)}</div><div class="col"><h4>${esc(D.runs[+o].name)}</h4>${head(b)}</div></div>`+rows;}
 for(const id of ['run','split','task','outcome','stop'])$(id).onchange=list;
 const q=new URLSearchParams(location.hash.slice(1));for(const id of ['run','other','split','task','outcome','stop'])if(q.has(id))$(id).value=q.get(id);
-list();if(q.has('game'))show(q.get('game'));
+list();if(q.has('game'))show(q.get('game')+(q.has('group')?'#'+q.get('group')+'.'+q.get('index'):''));
 </script></body></html>"""

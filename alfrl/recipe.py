@@ -133,6 +133,11 @@ def check_recipe_files(args: list[str]) -> None:
             raise RecipeError(f"--config {value} is empty: start from a recipe in recipes/ (e.g. recipes/tiny.yaml)")
         if not isinstance(content, dict):
             raise RecipeError(f"--config {value} is not a mapping of keys (model:, data:, trainer: ...): see recipes/tiny.yaml")
+        for key, section in _groups(content):
+            if section is not None and not isinstance(section, dict):
+                kind = type(section).__name__
+                raise RecipeError(f"{key} in --config {value} is {'an' if kind[0] in 'aeiou' else 'a'} {kind} ({str(section)[:60]}): it must be a "
+                                  f"mapping of keys, as in recipes/tiny.yaml ({key}:, then its keys indented under it)")
         for key, class_path in _class_paths(content):
             problem = _import_problem(class_path)
             if problem:
@@ -140,6 +145,23 @@ def check_recipe_files(args: list[str]) -> None:
                     f"{key} in --config {value}: {class_path} cannot be imported ({problem}); install its package (e.g. "
                     f"`pip install swanlab`) or drop it from a copy of the recipe (an override cannot replace a class that does not import)"
                 )
+
+
+RECIPE_GROUPS = {  # the sections of a recipe and the groups inside them whose value is a mapping of keys
+    "trainer": (), "checkpoint": (), "weight_sync": (), "periodic_eval": (), "progress_bar": (),
+    "model": ("lora", "optim", "ppo"), "data": ("rollout", "reward", "advantage", "engine", "env", "eval"),
+}
+
+
+def _groups(content: dict) -> list[tuple[str, object]]:
+    """(key, value) of every recipe section and group present in a recipe file's ``content``."""
+    out = []
+    for section, inner in RECIPE_GROUPS.items():
+        if section in content:
+            out.append((section, content[section]))
+            if isinstance(content[section], dict):
+                out += [(f"{section}.{g}", content[section][g]) for g in inner if g in content[section]]
+    return out
 
 
 def _class_paths(tree, key: str = "") -> list[tuple[str, str]]:
@@ -220,12 +242,14 @@ def _model_problems(model: dict) -> tuple[list[str], int | None]:
     without loading weights) and the adapter to start from (``init_adapter``) is there."""
     out = []
     if model.get("init_adapter"):
-        from alfrl.checkpoints import adapter_source
+        from alfrl.checkpoints import check_adapter
 
         try:
-            adapter_source(model["init_adapter"])
+            check_adapter(model["init_adapter"], _setting(model, "lora", "rank", None), _setting(model, "lora", "alpha", None))
         except FileNotFoundError as e:
             out.append(f"model.init_adapter={model['init_adapter']!r}: {e} (`alfrl sft` writes one), or null to start from a fresh LoRA")
+        except ValueError as e:  # damaged, or other LoRA settings
+            out.append(f"model.init_adapter={model['init_adapter']!r}: {e}")
     name = model["model_name"]
     if _looks_local(name) and not Path(name).expanduser().is_dir():
         hint = "run `make tiny-model` to write the tiny model there" if "tiny" in name else "give an existing folder or a hub name such as Qwen/Qwen3.5-4B"
@@ -368,6 +392,12 @@ class AlfrlCLI(LightningCLI):
         kwargs.setdefault("auto_configure_optimizers", False)
         super().__init__(self.model_class, self.data_class, *args, **kwargs)
 
+    @staticmethod
+    def subcommands() -> dict[str, set[str]]:
+        """Only ``fit``: alfrl evaluates with ``alfrl eval``, not Lightning's validate/test/predict (each subcommand's
+        parser costs about a second to build, most of it reading the classes' attribute docstrings)."""
+        return {"fit": LightningCLI.subcommands()["fit"]}
+
     def _add_subcommands(self, parser: LightningArgumentParser, **kwargs) -> None:
         super()._add_subcommands(parser, **kwargs)
         for sub in self._subcommand_parsers.values():  # "usage: alfrl sft ...", not jsonargparse's "alfrl [options] fit"
@@ -420,7 +450,7 @@ class AlfrlCLI(LightningCLI):
 
         try:
             self.config.fit.ckpt_path = resolve_ckpt_path(self.config.fit.ckpt_path)
-        except FileNotFoundError as e:
+        except (FileNotFoundError, ValueError) as e:  # missing, pruned or damaged
             raise RecipeError([f"--ckpt_path: {e}"]) from None
         import json
 

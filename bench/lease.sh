@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One GPU lease as a background job, so no step is bound by a call's limit. Calls, back to back (the machine goes
-# cold 30 s after a call; a carried path exists only during its call, so `stage` copies it to /tmp):
+# cold 30 s after a call, and a call sent beside a long local command waits for it: a lease was lost so, 2026-12-06;
+# a carried path exists only during its call, so `stage` copies it to /tmp):
 #   bash bench/lease.sh stage .gpu-kit/c01       # ... c07 (c01 carries install.sh), then .gpu-data
 #   UNTIL_S=1380 bash bench/lease.sh start       # install and games start; the job waits for the model's pieces:
 #   bash bench/lease.sh stage .gpu-model/m01     # ... m20; then the model, the rest of the expert plans and the lanes
@@ -17,7 +18,8 @@
 # 274-game evaluation with data.eval.deterministic true, false, true, compared by `alfrl report` (issue "Reproducible to
 # the bit"); fits: 3-update fits of recipes/rl_qwen15b_grpo.yaml at 4 games x 8, 20 steps, data.rollout.deterministic true
 # twice (rollouts and adapters hashed) and false; learn: the learning run of that recipe (issue "Learning at scale") until UNTIL_S seconds after `start`
-# (its last adapter shipped). SFT_STEPS=N: a shorter warm start; EVALS="det_a det_b": those evaluations only.
+# (its last adapter shipped; with learneval in LANES it stops EVAL_RESERVE_S, default 300, earlier); learneval: that adapter's
+# 274-game deterministic evaluation (records and summary shipped). SFT_STEPS=N: a shorter warm start; EVALS="det_a det_b": those evaluations only.
 # DRY=1 runs the same lanes on this CPU with the tiny model (hf engine, 2 games a split) to check them before a lease.
 set -uo pipefail
 cd "${ALFRL_REPO:-$(dirname "$0")/..}"
@@ -134,19 +136,29 @@ evals() {  # the warm start's 274 games: deterministic, not, deterministic again
 }
 
 fits() {  # 3-update fits from the warm start (4 games x 8, 20 steps: the lease's time), the same seed: deterministic twice
-  # (rollouts and adapters hashed), then not (the step's time against it)
-  for name in fit_det_a fit_det_b fit_nondet; do
-    local flag=true; [ "$name" = fit_nondet ] && flag=false
+  # (rollouts and adapters hashed), then not (the step's time against it); when the two deterministic adapters differ, a
+  # fourth with torch's deterministic algorithms too (Lightning's trainer.deterministic: is the trainer what differs?)
+  for name in fit_det_a fit_det_b fit_nondet fit_torchdet; do
+    local flag=true extra=(); [ "$name" = fit_nondet ] && flag=false
+    if [ "$name" = fit_torchdet ]; then
+      cmp -s <(cut -d' ' -f1 "$W/results/fit_det_a.sha256") <(cut -d' ' -f1 "$W/results/fit_det_b.sha256") \
+        && { log "fits: the deterministic fits agree to the bit, no torch-deterministic fit"; break; }
+      extra=(--trainer.deterministic true)
+    fi
     timed "$name" "${ALFRL[@]}" fit --config "$LEARN" "${MODEL[@]}" --model.init_adapter "$RUN/sft/checkpoints/last" "${FIT[@]}" \
       --data.games_per_batch 4 --data.rollout.max_episode_steps 20 --data.rollout.deterministic $flag --data.save_rollouts true \
-      --trainer.max_steps 3 --checkpoint.save_every 3 --periodic_eval.every_n_steps 0 --trainer.default_root_dir "$RUN/$name"
+      --trainer.max_steps 3 --checkpoint.save_every 3 --periodic_eval.every_n_steps 0 --trainer.default_root_dir "$RUN/$name" "${extra[@]}"
     cp "$RUN/$name"/csv/version_0/metrics.csv "$W/results/$name.metrics.csv" 2>/dev/null
     (cd "$RUN/$name" && sha256sum rollouts/* checkpoints/step-000003/adapter/* > "$W/results/$name.sha256" 2>/dev/null)
+  done
+  for name in fit_det_a fit_det_b fit_nondet fit_torchdet; do  # the rollouts (token ids and log-probs) come back, a few MB
+    [ -d "$RUN/$name/rollouts" ] && tar -czf "$W/$name.rollouts.tgz" -C "$RUN/$name" rollouts && ship "$W/$name.rollouts.tgz" "c_$name.rollouts.tgz"
   done
 }
 
 learn() {  # the learning run, stopped by max_time; resumed from a staged trainer.ckpt if one was staged (`stage .gpu-resume/...`)
-  local left=$(( ${UNTIL:-0} - $(date +%s) - 100 ))   # one update and a save after the time is up
+  local reserve=0; case " $LANES " in *" learneval "*) reserve=${EVAL_RESERVE_S:-300} ;; esac
+  local left=$(( ${UNTIL:-0} - $(date +%s) - 100 - reserve ))   # one update and a save after the time is up
   [ "$left" -ge 150 ] || { log "learn: $left s left, not started"; return 0; }
   local resume=()
   if [ -d /tmp/resume-stage ]; then  # a checkpoint brought back by an earlier lease: the run goes on with --ckpt_path
@@ -165,8 +177,16 @@ learn() {  # the learning run, stopped by max_time; resumed from a staged traine
   local last; last=$(last_step "$RUN/learn/checkpoints") && log "learn: last checkpoint $last" || return 1
   cp "$last/adapter/adapter_config.json" "$W/results/learn_adapter_config.json" 2>/dev/null
   basename "$last" > "$W/results/learn_last_step"
-  ship "$last/adapter/adapter_model.safetensors" "d_learn_$(basename "$last")_adapter.safetensors"
-  ship "$last/trainer.ckpt" "e_learn_$(basename "$last")_trainer.ckpt"   # the next lease resumes from it
+  ship "$last/trainer.ckpt" "e_learn_$(basename "$last")_trainer.ckpt"   # the next lease resumes from it (the adapter is in it)
+  ship "$last/adapter/adapter_model.safetensors" "f_learn_$(basename "$last")_adapter.safetensors"   # last: `send` brings it if time allows
+}
+
+learneval() {  # the learning run's last adapter, the 274 games deterministic (paired against the warm start's det_a locally)
+  local last; last=$(last_step "$RUN/learn/checkpoints") || { log "learneval: no learn checkpoint"; return 1; }
+  local name=learn_$(basename "$last")
+  timed "eval_$name" "${ALFRL[@]}" eval --config "$LEARN" "${MODEL[@]}" --adapter "$last" "${EVAL[@]}" --out "$RUN/$name.jsonl" || return 1
+  cp "$RUN/$name.summary.json" "$W/results/"; grep -h "evaluation time\|in engine steps" "$W/logs/eval_$name.log" >> "$W/results/eval_times.txt"
+  gzip -c "$RUN/$name.jsonl" > "$W/$name.jsonl.gz" && ship "$W/$name.jsonl.gz" "c_$name.jsonl.gz"
 }
 
 send() {  # up to 4 shipped pieces (56 MiB; $OUT takes 8 files, 64 MiB) into $OUT, first name first; each piece goes once
@@ -198,7 +218,7 @@ case "${1:-}" in
     rm -rf "$W/repo" && mkdir -p "$W/repo" && tar -c --exclude=./.git --exclude='./.gpu-*' --exclude=./.venv --exclude=./.cache \
       --exclude=./runs . | tar -x -C "$W/repo" && cp "$0" "$W/lease.sh" || exit 1
     [ "$DRY" = 1 ] && ln -s "$REPO/.venv" "$W/repo/.venv"
-    ALFRL_REPO=$W/repo ALFRL_GPU_WORK=$W LANES="$LANES" DRY=$DRY SFT_STEPS=${SFT_STEPS:-} EVALS="${EVALS:-}" UNTIL=$(( $(date +%s) + ${UNTIL_S:-1380} )) \
+    ALFRL_REPO=$W/repo ALFRL_GPU_WORK=$W LANES="$LANES" DRY=$DRY SFT_STEPS=${SFT_STEPS:-} EVALS="${EVALS:-}" EVAL_RESERVE_S=${EVAL_RESERVE_S:-300} UNTIL=$(( $(date +%s) + ${UNTIL_S:-1380} )) \
       setsid nohup bash "$W/lease.sh" _run > "$W/logs/job.log" 2>&1 < /dev/null &
     log "started: $LANES" ;;
   _run)

@@ -5,10 +5,12 @@ Each checkpoint is a folder ``<dirpath>/step-000020/`` holding:
 - ``adapter/``: the LoRA adapter in peft format (``adapter_config.json`` + ``adapter_model.safetensors``),
 - ``trainer.ckpt``: the Lightning checkpoint: LoRA weights, optimizer, step, loops, the game cursor
   (DataModule state) and the RNG states,
-- ``merged/`` (with ``save_merged``): base + LoRA as a Hugging Face folder for vLLM or evaluation.
+- ``merged/`` (with ``save_merged``): base + LoRA as a Hugging Face folder for vLLM or evaluation,
+- ``checksums.json``: the size and sha256 of ``trainer.ckpt`` and the adapter's weights, checked before a resume or
+  an evaluation reads them (a damaged file is one line naming the newest intact checkpoint).
 
-It is written under a temporary name and renamed into place, so a crash never leaves a half
-checkpoint; ``<dirpath>/last`` names the newest one. Resume with ``--ckpt_path <dir>/last`` (or a
+It is written under a temporary name and renamed into place (a step saved again swaps folders by renames), so a
+crash never leaves a half checkpoint; ``<dirpath>/last`` names the newest one. Resume with ``--ckpt_path <dir>/last`` (or a
 step folder, or its ``trainer.ckpt``).
 
 Only the newest ``keep_resume_states`` checkpoints keep ``trainer.ckpt`` (the optimizer state makes it
@@ -30,7 +32,7 @@ import lightning as L
 import numpy as np
 import torch
 
-from alfrl.checkpoints import CKPT_FILE, CheckpointSpaceError, save_adapter, save_merged_model
+from alfrl.checkpoints import CKPT_FILE, CheckpointSpaceError, save_adapter, save_merged_model, write_checksums
 
 
 class Checkpointing(L.Callback):
@@ -84,6 +86,7 @@ class Checkpointing(L.Callback):
                 save_adapter(policy.model, tmp / "adapter")
                 if self.save_merged:
                     save_merged_model(policy, tmp / "merged")
+                write_checksums(tmp)  # what a resume, `alfrl eval --adapter` and model.init_adapter check the files against
         except OSError as e:
             if e.errno != errno.ENOSPC:
                 raise
@@ -93,10 +96,17 @@ class Checkpointing(L.Callback):
                                        f"resume states (checkpoint.keep_resume_states, now {self.keep_resume_states}), or save "
                                        f"less often (checkpoint.save_every, now {self.save_every})") from None
         if trainer.is_global_zero:
-            shutil.rmtree(final, ignore_errors=True)
+            # a step saved again (a run resumed from an earlier step) swaps folders by renames only: the old one aside, the
+            # new one in, then the old one deleted; a kill between the renames leaves the old one aside, and
+            # ``alfrl.checkpoints`` puts it back when `last` names a step that is missing
+            aside = root / f".{final.name}.old"
+            shutil.rmtree(aside, ignore_errors=True)
+            if final.exists():
+                os.replace(final, aside)
             os.replace(tmp, final)
             (root / "last.tmp").write_text(final.name)
             os.replace(root / "last.tmp", root / "last")
+            shutil.rmtree(aside, ignore_errors=True)
             self.prune(root, keep=final)
         trainer.strategy.barrier("alfrl_checkpoint_end")
         self.last_saved_step = step

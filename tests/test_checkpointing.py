@@ -10,13 +10,31 @@ from alfrl.checkpoints import CheckpointSpaceError, resolve_ckpt_path
 from callbacks.checkpointing import Checkpointing
 
 
+_ADAPTER = b"\x02\x00\x00\x00\x00\x00\x00\x00{}"  # a safetensors file of no tensors
+
+
+def _zip(path: Path, which: str) -> None:
+    """A whole zip archive at ``path`` (what torch.save writes) holding ``which``."""
+    import zipfile
+
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr("which", which)
+
+
+def _which(path: Path) -> str:
+    import zipfile
+
+    with zipfile.ZipFile(path) as archive:
+        return archive.read("which").decode()
+
+
 def _steps(root: Path, n: int) -> list[Path]:
     folders = []
     for step in range(1, n + 1):
         d = root / f"step-{step:06d}"
         (d / "adapter").mkdir(parents=True)
-        (d / "adapter" / "adapter_model.safetensors").write_bytes(b"a")
-        (d / "trainer.ckpt").write_bytes(b"t")
+        (d / "adapter" / "adapter_model.safetensors").write_bytes(_ADAPTER)
+        _zip(d / "trainer.ckpt", "t")
         folders.append(d)
     return folders
 
@@ -139,3 +157,155 @@ def test_a_run_folder_is_taken_by_one_fit_at_a_time_and_a_killed_holder_leaves_n
     again = subprocess.run([sys.executable, "-c", hold.replace("time.sleep(300)", "pass"), str(root)], cwd=Path(__file__).parents[1],
                            capture_output=True, text=True, timeout=120)
     assert again.returncode == 0 and again.stdout.strip() == "held", again.stderr[-2000:]
+
+
+class _Trainer(_FullDiskTrainer):
+    """A trainer whose checkpoint is written whole (its bytes name the save)."""
+
+    def __init__(self, root: Path, step: int, which: str):
+        super().__init__(root, step)
+        self.which = which
+
+    def save_checkpoint(self, path, weights_only=None):
+        _zip(Path(path), self.which)
+
+
+_SAVE_KILLED_IN_THE_SWAP = """
+import os, sys, time
+from types import SimpleNamespace
+from pathlib import Path
+sys.path.insert(0, {repo!r})
+from tests.test_checkpointing import _Trainer
+import callbacks.checkpointing as ckpt
+
+real = os.replace
+def replace(src, dst):  # the swap's first rename done, the process stops here to be killed
+    real(src, dst)
+    if str(dst).endswith(".old"):
+        Path({flag!r}).write_text("in the window")
+        time.sleep(60)
+ckpt.os.replace = replace
+from tests.test_checkpointing import _write_adapter
+ckpt.save_adapter = _write_adapter
+ckpt.Checkpointing(keep_resume_states=2).save(_Trainer(Path({root!r}), 3, "new"), policy=SimpleNamespace(model=None))
+"""
+
+
+def _write_adapter(model, folder: Path) -> None:
+    folder.mkdir()
+    (folder / "adapter_model.safetensors").write_bytes(_ADAPTER)
+
+
+def test_a_step_saved_again_and_killed_between_its_renames_leaves_last_loadable(tmp_path, monkeypatch):
+    # a run resumed from step 2 saves step 3 again while `last` names the old step 3; kill -9 between the swap's renames
+    import subprocess
+    import sys
+    import time
+
+    root = tmp_path / "checkpoints"
+    _steps(root, 3)
+    (root / "last").write_text("step-000003")
+    _zip(root / "step-000003" / "trainer.ckpt", "old")
+    flag = tmp_path / "flag"
+    script = _SAVE_KILLED_IN_THE_SWAP.format(repo=str(Path(__file__).parents[1]), flag=str(flag), root=str(tmp_path))
+    child = subprocess.Popen([sys.executable, "-c", script])
+    deadline = time.monotonic() + 60
+    while not flag.exists() and child.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert flag.exists(), "the save never reached its swap"
+    child.kill()
+    child.wait()
+    assert not (root / "step-000003").exists() and (root / ".step-000003.old").is_dir()  # killed inside the window
+    assert _which(Path(resolve_ckpt_path(str(root / "last")))) == "old"  # the old step 3 is back, whole
+    assert (root / "step-000003" / "adapter" / "adapter_model.safetensors").is_file()
+    # the next save of that step swaps cleanly: the new one in place, nothing aside or partial left
+    monkeypatch.setattr("callbacks.checkpointing.save_adapter", _write_adapter)
+    Checkpointing(keep_resume_states=2).save(_Trainer(tmp_path, 3, "new"), policy=SimpleNamespace(model=None))
+    assert _which(root / "step-000003" / "trainer.ckpt") == "new"
+    assert sorted(p.name for p in root.iterdir()) == ["last", "step-000001", "step-000002", "step-000003"]
+
+
+def _saved_steps(root: Path, n: int) -> list[Path]:
+    """``n`` step folders as the callback writes them: a real ``trainer.ckpt`` (torch's zip), a real safetensors adapter,
+    ``checksums.json``; ``last`` names the newest."""
+    import torch
+    from safetensors.torch import save_file
+
+    from alfrl.checkpoints import write_checksums
+
+    folders = []
+    for step in range(1, n + 1):
+        d = root / f"step-{step:06d}"
+        (d / "adapter").mkdir(parents=True)
+        torch.save({"state_dict": {"w": torch.full((64,), float(step))}}, d / "trainer.ckpt")
+        save_file({"lora_A": torch.full((8, 8), float(step))}, str(d / "adapter" / "adapter_model.safetensors"))
+        (d / "adapter" / "adapter_config.json").write_text('{"r": 8, "lora_alpha": 16}')
+        write_checksums(d)
+        folders.append(d)
+    (root / "last").write_text(folders[-1].name)
+    return folders
+
+
+def _cut(path: Path, keep: int | None = None) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2 if keep is None else keep])
+
+
+@pytest.mark.parametrize("how,why", [("truncated", "bytes where checksums.json says"), ("empty", "bytes where checksums.json says"),
+                                     ("altered", "sha256 differs"), ("truncated, no checksums", "not a whole zip archive"),
+                                     ("empty, no checksums", "it is empty")])
+def test_a_damaged_trainer_ckpt_is_one_line_naming_the_newest_intact_checkpoint(tmp_path, how, why):
+    from alfrl.checkpoints import CheckpointDamagedError
+
+    folders = _saved_steps(tmp_path, 3)
+    ckpt = folders[2] / "trainer.ckpt"
+    if "no checksums" in how:
+        (folders[2] / "checksums.json").unlink()
+    if how.startswith("truncated"):
+        _cut(ckpt)
+    elif how.startswith("empty"):
+        _cut(ckpt, 0)
+    else:  # one byte changed, the size kept
+        data = bytearray(ckpt.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        ckpt.write_bytes(bytes(data))
+    with pytest.raises(CheckpointDamagedError) as e:
+        resolve_ckpt_path(str(tmp_path / "last"))
+    message = str(e.value)
+    assert "\n" not in message and message.startswith(f"{ckpt} is damaged: ") and why in message
+    assert message.endswith(f"use the newest intact checkpoint: --ckpt_path {folders[1]}")
+    assert resolve_ckpt_path(str(folders[1])) == str(folders[1] / "trainer.ckpt")  # the intact ones still load
+
+
+def test_a_damaged_adapter_is_caught_where_it_is_read_and_on_resume(tmp_path):
+    from alfrl.checkpoints import CheckpointDamagedError, adapter_source, check_adapter
+
+    folders = _saved_steps(tmp_path, 2)
+    assert adapter_source(str(tmp_path / "last")) == folders[1] / "adapter"
+    weights = folders[1] / "adapter" / "adapter_model.safetensors"
+    _cut(weights)
+    for read in (lambda: adapter_source(str(tmp_path / "last")), lambda: resolve_ckpt_path(str(tmp_path / "last"))):
+        with pytest.raises(CheckpointDamagedError, match=f"^{weights} is damaged: .* use the newest intact checkpoint: .*{folders[0].name}$"):
+            read()
+    (folders[1] / "checksums.json").unlink()  # no checksum: its header says how long it must be
+    with pytest.raises(CheckpointDamagedError, match="bytes where its header describes"):
+        adapter_source(str(folders[1]))
+    with pytest.raises(ValueError, match=r"has r=8 but model.lora.rank=32"):
+        check_adapter(str(folders[0]), 32, 64)
+    assert check_adapter(str(folders[0]), 8, 16) == folders[0] / "adapter"
+    for step in folders:  # nothing intact is left
+        _cut(step / "adapter" / "adapter_model.safetensors", 4)
+    with pytest.raises(CheckpointDamagedError, match=f"no intact checkpoint is left in {tmp_path}$"):
+        adapter_source(str(folders[0]))
+
+
+def test_resuming_from_a_damaged_checkpoint_stops_before_the_model_loads_and_makes_no_log_folder(tmp_path, tiny_model_dir):
+    root = tmp_path / "run"
+    folders = _saved_steps(root / "checkpoints", 2)
+    _cut(folders[1] / "trainer.ckpt")
+    out = _fit_cli(root, tiny_model_dir, "--ckpt_path", str(root / "checkpoints" / "last"), "--trainer.logger", "true")
+    assert out.returncode == 2, out.stderr[-2000:]
+    line = [x for x in out.stderr.splitlines() if "is damaged" in x]
+    assert len(line) == 1 and line[0].endswith(f"use the newest intact checkpoint: --ckpt_path {folders[0]}"), out.stderr[-2000:]
+    assert "Traceback" not in out.stderr and "Loading weights" not in out.stderr
+    assert sorted(p.name for p in root.iterdir()) == ["checkpoints"]  # no csv/, swanlog/ or lock left behind

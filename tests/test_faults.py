@@ -95,7 +95,10 @@ def test_bad_fit_input_is_one_clear_line_and_status_2(args, expected, tmp_path, 
     empty.write_text("")
     ckpt = tmp_path / "run" / "checkpoints" / "step-000002"
     (ckpt / "adapter").mkdir(parents=True)
-    (ckpt / "trainer.ckpt").write_bytes(b"")
+    import zipfile
+
+    with zipfile.ZipFile(ckpt / "trainer.ckpt", "w") as archive:  # whole (a damaged one is tests/test_checkpointing.py's)
+        archive.writestr("data.pkl", b"")
     (ckpt / "adapter" / "adapter_config.json").write_text(json.dumps({"r": 4, "lora_alpha": 16}))
     pruned = tmp_path / "run" / "checkpoints" / "step-000001"  # an older checkpoint: its trainer.ckpt was pruned
     (pruned / "adapter").mkdir(parents=True)

@@ -81,6 +81,17 @@ def test_rollouts_show_group_rewards_and_advantages(evals, tiny_model_dir, tiny_
     for g, t in zip(run["games"], [t for group in groups for t in group.trajectories]):
         rewards = [x.reward for x in groups[t.group_id].trajectories]
         assert g["group_rewards"] == pytest.approx(rewards) and g["advantage"] == pytest.approx(t.reward - sum(rewards) / 3)
+    # in a browser: each trajectory labelled in the list, and a link (the address bar's too) opens one trajectory
+    from urllib.parse import urlencode
+
+    page = tmp_path / "page.html"
+    page.write_text(build_page([], "", [], [("step 1", dump)]), encoding="utf-8")
+    g = run["games"][4]
+    fragment = "#" + urlencode({"run": 0, "game": g["id"], "group": g["group"], "index": g["index"]})
+    dom = _chromium(page, fragment)
+    assert [f"group {x['group']}, trajectory {x['index'] + 1} of 3, reward" in dom for x in run["games"]] == [True] * 6
+    assert f"<h3 class=\"{'won' if g['won'] else 'lost'}\">" in dom and f"group 1, trajectory {g['index'] + 1} of 3: reward" in dom
+    assert f'<a href="{fragment.replace("&", "&amp;")}">link to this trajectory</a>' in dom
 
 
 def test_reasoning_and_action_are_shown_apart():
@@ -98,8 +109,8 @@ def test_every_text_is_stored_once(evals):
     assert len(json.dumps(data)) < 1.7 * single  # the second run's texts are references, not copies
 
 
-HOSTILE = ['<img src=x onerror="window.ran=1">', "</script><script>window.ran=2</script>", "<!-- ", "<SCRIPT>window.ran=3</SCRIPT>",
-           "\u2028\u2029", "%DATA%", "' onmouseover='window.ran=4", "&lt;b&gt;"]
+HOSTILE = ['<img src=x onerror="window.ran=1;document.title=1">', "</script><script>window.ran=2;document.title=2</script>", "<!-- ",
+           "<SCRIPT>window.ran=3;document.title=3</SCRIPT>", "\u2028\u2029", "%DATA%", "' onmouseover='window.ran=4", "&lt;b&gt;"]
 
 PAGE_SCRIPT_HARNESS = r"""
 const fs = require('fs');
@@ -124,13 +135,8 @@ console.log(JSON.stringify({html, names: els.run.options.map(o => o.textContent)
 """
 
 
-def test_hostile_values_in_every_field_reach_the_page_as_text(tmp_path):
-    """Model output and files on disk are untrusted: every field of an evaluation or rollout record, and every run name,
-    is shown as text. The data block survives </script, <!--, <script and U+2028/9 (JSON.parse gives the values back),
-    a run named %DATA% pastes nothing, and the page's own script (run in node with a stand-in DOM for every game, alone
-    and side by side) writes no markup from them."""
-    import shutil
-    import subprocess
+def _hostile_page(tmp_path) -> str:
+    """A page whose every field of every record, every run name and a rollout file hold HOSTILE values, and a 3 MB completion."""
 
     def record(k, text):
         turn = {"completion_text": text, "action": text, "valid_format": True, "admissible": True, "format_error": text,
@@ -145,7 +151,60 @@ def test_hostile_values_in_every_field_reach_the_page_as_text(tmp_path):
                                for k, t in enumerate(HOSTILE)))
     big = record(0, "ok")
     big["turns"][0]["completion_text"] = "<think>" + "x" * 3_000_000  # a completion of 3 MB
-    page = build_page(runs + [("big", [big])], "| run |\n|---|\n| %DATA% |\n", [], [(HOSTILE[1], rollout)])
+    return build_page(runs + [("big", [big])], "| run |\n|---|\n| %DATA% |\n", [], [(HOSTILE[1], rollout)])
+
+
+def _chromium(page, fragment: str = "") -> str:
+    """The page's DOM after its script ran in headless Chromium (the distribution's package), opened at ``#fragment``."""
+    import shutil
+    import subprocess
+
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    if browser is None:
+        pytest.skip("no Chromium here (apt-get install chromium; .ci/run installs it)")
+    out = subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=5000", "--dump-dom",
+                          f"{page.as_uri()}{fragment}"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "</html>" in out.stdout, out.stderr[-2000:]
+    return out.stdout
+
+
+def _listed(dom: str) -> list[str]:
+    """The data-k of every game in the page's list, as the browser drew it."""
+    import html
+
+    drawn = dom.split('<script id="data"')[0]  # not the page's own script text
+    return [html.unescape(k) for k in re.findall(r'<div class="game" data-k="([^"]*)"', drawn)]
+
+
+def test_in_chromium_every_hostile_game_is_listed_as_text_and_no_script_from_the_data_runs(tmp_path):
+    """Issue "Nothing lost, nothing injected": the page opened in a real browser for each run, and one game side by side:
+    every game listed, the hostile values shown as text, the title untouched (each payload would change it)."""
+    page = tmp_path / "page.html"
+    page.write_text(_hostile_page(tmp_path), encoding="utf-8")
+    runs = _data(page.read_text(encoding="utf-8"))["runs"]
+    for i, run in enumerate(runs):
+        dom = _chromium(page, f"#run={i}")
+        assert "<title>alfrl report</title>" in dom and "data-ran" not in dom, f"a script from the data ran (run {i})"
+        assert f"{len(run['games'])} of {len(run['games'])} games" in dom
+        keys = [g["id"] + (f"#{g['group']}.{g['index']}" if "group" in g else "") for g in run["games"]]
+        assert _listed(dom) == keys
+    game = runs[0]["games"][0]["id"]
+    from urllib.parse import urlencode
+
+    dom = _chromium(page, "#" + urlencode({"run": 0, "other": 1, "game": game}))
+    assert "<title>alfrl report</title>" in dom and dom.count('class="col"') >= 2  # both runs' turns drawn
+    assert "&lt;img src=x onerror=" in dom and "<img src=x" not in dom
+
+
+def test_hostile_values_in_every_field_reach_the_page_as_text(tmp_path):
+    """Model output and files on disk are untrusted: every field of an evaluation or rollout record, and every run name,
+    is shown as text. The data block survives </script, <!--, <script and U+2028/9 (JSON.parse gives the values back),
+    a run named %DATA% pastes nothing, and the page's own script (run in node with a stand-in DOM for every game, alone
+    and side by side) writes no markup from them."""
+    import shutil
+    import subprocess
+
+    page = _hostile_page(tmp_path)
     assert len(page) < 3_000_000 + 200_000  # the run named %DATA% and the 3 MB completion: stored once, pasted nowhere else
     assert page.count("<script") == 2 and page.count("</script") == 2  # the page's own two blocks, nothing from the data
     for text in HOSTILE[:5]:
@@ -167,6 +226,7 @@ def test_hostile_values_in_every_field_reach_the_page_as_text(tmp_path):
     assert listed >= len(HOSTILE) * 3  # every game of the three runs listed
     for fragment in result["html"]:  # only the page's own tags: each hostile text arrives escaped
         tags = set(re.findall(r"<\s*([a-zA-Z!/][a-zA-Z0-9]*)", fragment))
-        assert tags <= {"div", "/div", "span", "/span", "h3", "/h3", "h4", "/h4", "p", "/p"}, tags
-        assert "onerror" not in fragment.replace("onerror=&quot;", "") and "onmouseover='" not in fragment
-    assert "&lt;img src=x onerror=&quot;window.ran=1&quot;&gt;" in written and "&amp;lt;b&amp;gt;" in written
+        assert tags <= {"div", "/div", "span", "/span", "h3", "/h3", "h4", "/h4", "p", "/p", "a", "/a"}, tags
+        text = re.sub(r' href="#[^"<>]*"', "", fragment)  # a link: the values percent-encoded inside its quotes
+        assert "onerror" not in text.replace("onerror=&quot;", "") and "onmouseover='" not in text
+    assert "&lt;img src=x onerror=&quot;window.ran=1;document.title=1&quot;&gt;" in written and "&amp;lt;b&amp;gt;" in written

@@ -74,6 +74,31 @@ def test_each_bad_value_is_reported_once_and_not_through_its_consequences(capfd)
     assert "Traceback" not in out.stderr
 
 
+@pytest.mark.parametrize("section,value,shown", [("model", [1, 2], "model in --config {f} is a list ([1, 2])"),
+                                                  ("data", "x", "data in --config {f} is a str (x)"),
+                                                  ("model.lora", 8, "model.lora in --config {f} is an int (8)"),
+                                                  ("data.engine", ["vllm"], "data.engine in --config {f} is a list (['vllm'])")])
+def test_a_recipe_section_that_is_not_a_mapping_is_named_in_one_line(tmp_path, section, value, shown):
+    """`model: [1, 2]` said "fit.model.model_name is required" (issue "Nothing lost, nothing injected")."""
+    import yaml
+
+    from alfrl.recipe import RecipeError, check_recipe_files
+
+    recipe = yaml.safe_load(open("recipes/tiny.yaml"))
+    outer, _, inner = section.partition(".")
+    if inner:
+        recipe[outer][inner] = value
+    else:
+        recipe[outer] = value
+    f = tmp_path / "recipe.yaml"
+    f.write_text(yaml.safe_dump(recipe))
+    with pytest.raises(RecipeError) as e:
+        check_recipe_files(["--config", str(f)])
+    assert str(e.value).startswith("alfrl: recipe error: " + shown.format(f=f)) and "must be a mapping of keys" in str(e.value) and "\n" not in str(e.value)
+    for name in sorted(Path("recipes").glob("*.yaml")):  # every shipped recipe passes
+        check_recipe_files(["--config", str(name)])
+
+
 def test_overrides_and_interpolation_after_overrides():
     cfg = parse_recipe(["--config", "recipes/tiny.yaml", "--model.optim.lr", "2e-6", "--trainer.default_root_dir", "runs/other"])
     assert cfg.model.optim.lr == 2e-6
@@ -156,10 +181,16 @@ def test_a_missing_warm_start_adapter_is_a_recipe_problem_before_any_model_loads
     assert len(missing) == 1 and "no LoRA adapter at" in missing[0] and "alfrl sft" in missing[0], missing
     step = tmp_path / "sft" / "checkpoints" / "step-000004" / "adapter"
     step.mkdir(parents=True)
-    (step / "adapter_config.json").write_text("{}")
-    (step / "adapter_model.safetensors").write_bytes(b"")
+    (step / "adapter_config.json").write_text('{"r": 8, "lora_alpha": 16}')  # the tiny recipe's LoRA
+    (step / "adapter_model.safetensors").write_bytes(b"\x02\x00\x00\x00\x00\x00\x00\x00{}")  # a safetensors file, no tensors
     (step.parent.parent / "last").write_text("step-000004")
     assert problems(step.parent.parent / "last") == [] and problems(step.parent) == [] and problems(step) == []
+    # another LoRA's adapter, or a damaged one: named before any model loads
+    (step / "adapter_config.json").write_text('{"r": 16, "lora_alpha": 16}')
+    assert ["has r=16 but model.lora.rank=8" in p for p in problems(step)] == [True]
+    (step / "adapter_config.json").write_text('{"r": 8, "lora_alpha": 16}')
+    (step / "adapter_model.safetensors").write_bytes(b"\x02\x00\x00")
+    assert ["is damaged: its header is cut short" in p for p in problems(step)] == [True]
     # a warm start may itself start from an adapter: the same check
     from alfrl.recipe import SFTCLI, sft_problems
 

@@ -142,14 +142,15 @@ def test_tiny_recipe_in_stepwise_mode_trains_and_its_eval_sits_beside_a_full_his
                 "--model.model_name", tiny_model_dir]
     root = tmp_path / "stepwise"
     cmd = [sys.executable, "-m", "alfrl.cli", "fit", "--config", "recipes/tiny.yaml", "--trainer.default_root_dir", str(root),
-           "--trainer.logger", "false", *stepwise]
+           "--trainer.logger", "false", "--data.rollout.max_episode_steps", "4", *stepwise]  # the mode is checked, not long games
     out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert (root / "checkpoints" / "step-000002" / "adapter" / "adapter_model.safetensors").is_file()
     results = []
     for name, extra in (("full", ["--model.model_name", tiny_model_dir]), ("stepwise", stepwise)):
         path = tmp_path / f"{name}.jsonl"
-        cmd = [sys.executable, "-m", "alfrl.cli", "eval", "--config", "recipes/tiny.yaml", "--limit-per-split", "1", "--out", str(path), *extra]
+        cmd = [sys.executable, "-m", "alfrl.cli", "eval", "--config", "recipes/tiny.yaml", "--limit-per-split", "1", "--out", str(path),
+               "--data.eval.max_episode_steps", "4", *extra]
         if name == "stepwise":
             cmd += ["--adapter", str(root / "checkpoints" / "last")]
         out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
