@@ -17,7 +17,7 @@
 # LANES (default "warmstart evals fits learn"): warmstart: alfrl sft on every plan (adapter and plans shipped); evals: its
 # 274-game evaluation with data.eval.deterministic true, false, true, compared by `alfrl report` (issue "Reproducible to
 # the bit"); fits: 3-update fits of recipes/rl_qwen15b_grpo.yaml at 4 games x 8, 20 steps, data.rollout.deterministic true
-# twice (rollouts and adapters hashed) and false; learn: the learning run of that recipe (issue "Learning at scale") until UNTIL_S seconds after `start`
+# twice (rollouts and adapters hashed), false, and true with torch's deterministic algorithms (FITS="..." picks); learn: the learning run of that recipe (issue "Learning at scale") until UNTIL_S seconds after `start`
 # (its last adapter shipped; with learneval in LANES it stops EVAL_RESERVE_S, default 300, earlier); learneval: that adapter's
 # 274-game deterministic evaluation (records and summary shipped). SFT_STEPS=N: a shorter warm start; EVALS="det_a det_b": those evaluations only.
 # DRY=1 runs the same lanes on this CPU with the tiny model (hf engine, 2 games a split) to check them before a lease.
@@ -135,23 +135,17 @@ evals() {  # the warm start's 274 games: deterministic, not, deterministic again
   timed report "${ALFRL[@]}" report $(for n in "${names[@]}"; do echo "$RUN/$n.jsonl"; done) --names "${names[@]}" --out "$W/results/report"
 }
 
-fits() {  # 3-update fits from the warm start (4 games x 8, 20 steps: the lease's time), the same seed: deterministic twice
-  # (rollouts and adapters hashed), then not (the step's time against it); when the two deterministic adapters differ, a
-  # fourth with torch's deterministic algorithms too (Lightning's trainer.deterministic: is the trainer what differs?)
-  for name in fit_det_a fit_det_b fit_nondet fit_torchdet; do
+fits() {  # 3-update fits from the warm start (4 games x 8, 20 steps: the lease's time), the same seed, each in its own process:
+  # FITS names them (default: deterministic twice, then not, then deterministic with torch's deterministic algorithms,
+  # Lightning's trainer.deterministic); rollouts and adapters hashed, each fit's rollouts shipped as it ends
+  for name in ${FITS:-fit_det_a fit_det_b fit_nondet fit_torchdet}; do
     local flag=true extra=(); [ "$name" = fit_nondet ] && flag=false
-    if [ "$name" = fit_torchdet ]; then
-      cmp -s <(cut -d' ' -f1 "$W/results/fit_det_a.sha256") <(cut -d' ' -f1 "$W/results/fit_det_b.sha256") \
-        && { log "fits: the deterministic fits agree to the bit, no torch-deterministic fit"; break; }
-      extra=(--trainer.deterministic true)
-    fi
+    [ "$name" = fit_torchdet ] && extra=(--trainer.deterministic true)
     timed "$name" "${ALFRL[@]}" fit --config "$LEARN" "${MODEL[@]}" --model.init_adapter "$RUN/sft/checkpoints/last" "${FIT[@]}" \
       --data.games_per_batch 4 --data.rollout.max_episode_steps 20 --data.rollout.deterministic $flag --data.save_rollouts true \
       --trainer.max_steps 3 --checkpoint.save_every 3 --periodic_eval.every_n_steps 0 --trainer.default_root_dir "$RUN/$name" "${extra[@]}"
     cp "$RUN/$name"/csv/version_0/metrics.csv "$W/results/$name.metrics.csv" 2>/dev/null
     (cd "$RUN/$name" && sha256sum rollouts/* checkpoints/step-000003/adapter/* > "$W/results/$name.sha256" 2>/dev/null)
-  done
-  for name in fit_det_a fit_det_b fit_nondet fit_torchdet; do  # the rollouts (token ids and log-probs) come back, a few MB
     [ -d "$RUN/$name/rollouts" ] && tar -czf "$W/$name.rollouts.tgz" -C "$RUN/$name" rollouts && ship "$W/$name.rollouts.tgz" "c_$name.rollouts.tgz"
   done
 }
@@ -218,7 +212,7 @@ case "${1:-}" in
     rm -rf "$W/repo" && mkdir -p "$W/repo" && tar -c --exclude=./.git --exclude='./.gpu-*' --exclude=./.venv --exclude=./.cache \
       --exclude=./runs . | tar -x -C "$W/repo" && cp "$0" "$W/lease.sh" || exit 1
     [ "$DRY" = 1 ] && ln -s "$REPO/.venv" "$W/repo/.venv"
-    ALFRL_REPO=$W/repo ALFRL_GPU_WORK=$W LANES="$LANES" DRY=$DRY SFT_STEPS=${SFT_STEPS:-} EVALS="${EVALS:-}" EVAL_RESERVE_S=${EVAL_RESERVE_S:-300} UNTIL=$(( $(date +%s) + ${UNTIL_S:-1380} )) \
+    ALFRL_REPO=$W/repo ALFRL_GPU_WORK=$W LANES="$LANES" DRY=$DRY SFT_STEPS=${SFT_STEPS:-} EVALS="${EVALS:-}" FITS="${FITS:-}" EVAL_RESERVE_S=${EVAL_RESERVE_S:-300} UNTIL=$(( $(date +%s) + ${UNTIL_S:-1380} )) \
       setsid nohup bash "$W/lease.sh" _run > "$W/logs/job.log" 2>&1 < /dev/null &
     log "started: $LANES" ;;
   _run)

@@ -9,7 +9,6 @@ import pytest
 from alfrl.checkpoints import CheckpointSpaceError, resolve_ckpt_path
 from callbacks.checkpointing import Checkpointing
 
-
 _ADAPTER = b"\x02\x00\x00\x00\x00\x00\x00\x00{}"  # a safetensors file of no tensors
 
 

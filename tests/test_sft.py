@@ -14,10 +14,10 @@ from alfrl.chat import chat_format
 from alfrl.envs import EnvPool
 from alfrl.expert import ExpertEngine, read_expert, replay
 from alfrl.games import discover_games, shuffled
-from alfrl.policy import AlfrlPolicy
-from alfrl.policy import LoRAConfig
+from alfrl.policy import AlfrlPolicy, LoRAConfig
 from alfrl.rewards import RewardConfig
 from alfrl.rollout import RolloutConfig, RolloutRunner
+from tests.helpers import alfrl_here
 
 REPO = Path(__file__).resolve().parent.parent
 CFG = RolloutConfig(action_format="action_tag", max_episode_steps=8, max_trajectory_tokens=6000, max_assistant_tokens=200)
@@ -112,7 +112,7 @@ def test_sft_loss_covers_exactly_the_assistant_tokens(expert, tiny_model_dir):
 
 
 @pytest.mark.slow
-def test_sft_lowers_held_out_loss_and_rl_starts_from_its_adapter(expert, tmp_path, data_dir, tiny_model_dir):
+def test_sft_lowers_held_out_loss_and_rl_starts_from_its_adapter(expert, tmp_path, data_dir, tiny_model_dir, capfd, monkeypatch):
     from alfrl.sft import ExpertDataModule, SFTPolicy
 
     _, _, out, _ = expert
@@ -137,11 +137,11 @@ def test_sft_lowers_held_out_loss_and_rl_starts_from_its_adapter(expert, tmp_pat
         (b_sum, n), (w_sum, m) = base.nll(dm.val_samples), warm.nll(dm.val_samples)
     assert n == m and float(w_sum) / m < float(b_sum) / n - 0.05
     # an RL run starts from that adapter
-    rl = tmp_path / "rl"
-    cmd = [sys.executable, "-m", "alfrl.cli", "fit", "--config", "recipes/tiny.yaml", "--model.model_name", tiny_model_dir,
-           "--model.init_adapter", str(adapter), "--trainer.default_root_dir", str(rl), "--trainer.logger", "false",
-           "--trainer.max_steps", "1", "--data.games_per_batch", "1", "--data.group_size", "2", "--data.rollout.max_episode_steps", "2"]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    rl = tmp_path / "rl"  # in this process (a process start costs ~9 s of imports)
+    monkeypatch.setenv("ALFWORLD_DATA", data_dir)
+    proc = alfrl_here(capfd, "fit", "--config", "recipes/tiny.yaml", "--model.model_name", tiny_model_dir, "--model.init_adapter", str(adapter),
+                      "--trainer.default_root_dir", str(rl), "--trainer.logger", "false", "--trainer.max_steps", "1",
+                      "--data.games_per_batch", "1", "--data.group_size", "2", "--data.rollout.max_episode_steps", "2")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     start = AlfrlPolicy(model_name=tiny_model_dir, dtype="float32", lora=LoRAConfig(rank=8, alpha=16), init_adapter=str(adapter))
     start.configure_model()

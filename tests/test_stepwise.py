@@ -15,7 +15,7 @@ from alfrl.envs import EnvPool
 from alfrl.rewards import RewardConfig, step_returns
 from alfrl.rollout import RolloutConfig, RolloutRunner
 from alfrl.types import Trajectory, Turn
-from tests.helpers import ScriptedEngine
+from tests.helpers import ScriptedEngine, alfrl_here
 
 STEPWISE = RewardConfig(kind="stepwise", win_reward=10.0, invalid_penalty=0.1, gamma=0.95)
 S = 1e-6  # the std epsilon
@@ -135,7 +135,9 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.slow
-def test_tiny_recipe_in_stepwise_mode_trains_and_its_eval_sits_beside_a_full_history_run(tmp_path, data_dir, tiny_model_dir):
+def test_tiny_recipe_in_stepwise_mode_trains_and_its_eval_sits_beside_a_full_history_run(tmp_path, data_dir, tiny_model_dir, capfd,
+                                                                                     monkeypatch):
+    monkeypatch.setenv("ALFWORLD_DATA", data_dir)
     env = dict(os.environ, ALFWORLD_DATA=data_dir)
     stepwise = ["--data.rollout.context", "window", "--data.rollout.action_format", "action_tag", "--data.rollout.history_length", "2",
                 "--data.reward.kind", "stepwise", "--data.reward.win_reward", "10", "--data.advantage.estimator", "hgpo",
@@ -146,19 +148,17 @@ def test_tiny_recipe_in_stepwise_mode_trains_and_its_eval_sits_beside_a_full_his
     out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert (root / "checkpoints" / "step-000002" / "adapter" / "adapter_model.safetensors").is_file()
-    results = []
+    results = []  # the evaluations and the report in this process (a process start costs ~9 s of imports)
     for name, extra in (("full", ["--model.model_name", tiny_model_dir]), ("stepwise", stepwise)):
         path = tmp_path / f"{name}.jsonl"
-        cmd = [sys.executable, "-m", "alfrl.cli", "eval", "--config", "recipes/tiny.yaml", "--limit-per-split", "1", "--out", str(path),
-               "--data.eval.max_episode_steps", "4", *extra]
+        args = ["eval", "--config", "recipes/tiny.yaml", "--limit-per-split", "1", "--out", str(path), "--data.eval.max_episode_steps", "4", *extra]
         if name == "stepwise":
-            cmd += ["--adapter", str(root / "checkpoints" / "last")]
-        out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+            args += ["--adapter", str(root / "checkpoints" / "last")]
+        out = alfrl_here(capfd, *args)
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
         results.append(str(path))
     report = tmp_path / "report"
-    out = subprocess.run([sys.executable, "-m", "alfrl.cli", "report", *results, "--names", "full-history", "stepwise", "--out", str(report)],
-                         cwd=REPO, capture_output=True, text=True)
+    out = alfrl_here(capfd, "report", *results, "--names", "full-history", "stepwise", "--out", str(report))
     assert out.returncode == 0, out.stderr
     table = (report / "report.md").read_text()
     assert "| full-history |" in table and "| stepwise |" in table
