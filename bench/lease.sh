@@ -18,7 +18,7 @@
 # 274-game evaluation with data.eval.deterministic true, false, true, compared by `alfrl report` (issue "Reproducible to
 # the bit"); fits: 3-update fits of recipes/rl_qwen15b_grpo.yaml at 4 games x 8, 20 steps, data.rollout.deterministic true
 # twice (rollouts and adapters hashed), false, and true with torch's deterministic algorithms (FITS="..." picks); learn: the learning run of that recipe (issue "Learning at scale") until UNTIL_S seconds after `start`
-# (its last adapter shipped; with learneval in LANES it stops EVAL_RESERVE_S, default 300, earlier); learneval: that adapter's
+# (ARM=gigpo: the GiGPO arm in its own folder; its last adapter shipped; with learneval in LANES it stops EVAL_RESERVE_S, default 300, earlier); learneval: that adapter's
 # 274-game deterministic evaluation (records and summary shipped). SFT_STEPS=N: a shorter warm start; EVALS="det_a det_b": those evaluations only.
 # DRY=1 runs the same lanes on this CPU with the tiny model (hf engine, 2 games a split) to check them before a lease.
 set -uo pipefail
@@ -56,6 +56,8 @@ else
   EVAL=(--data.engine.gpu_memory_utilization 0.85 --data.env.num_workers 16); FIT=(--data.env.num_workers 16)
 fi
 ALFRL=("$PY" -m alfrl.cli)
+# the learning run's arm (issue "Learning at scale"): ARM=gigpo runs the GiGPO arm in runs/learn_gigpo (default: GRPO in runs/learn)
+LD=learn${ARM:+_$ARM}; ARM_ARGS=(); [ -n "${ARM:-}" ] && ARM_ARGS=(--data.advantage.estimator "$ARM")
 GGUF_SHA=cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046   # ../shared/gpu-offline/fetch-model.sh
 
 setup() {  # the kit and the games; then, once every model piece is staged, the model converted beside the expert plans
@@ -156,8 +158,8 @@ learn() {  # the learning run, stopped by max_time; resumed from a staged traine
   [ "$left" -ge 150 ] || { log "learn: $left s left, not started"; return 0; }
   local resume=()
   if [ -d /tmp/resume-stage ]; then  # a checkpoint brought back by an earlier lease: the run goes on with --ckpt_path
-    local step; step=$RUN/learn/checkpoints/$(cat /tmp/resume-stage/step) || return 1
-    mkdir -p "$step" && cat /tmp/resume-stage/trainer.ckpt.part* > "$step/trainer.ckpt" && basename "$step" > "$RUN/learn/checkpoints/last" || return 1
+    local step; step=$RUN/$LD/checkpoints/$(cat /tmp/resume-stage/step) || return 1
+    mkdir -p "$step" && cat /tmp/resume-stage/trainer.ckpt.part* > "$step/trainer.ckpt" && basename "$step" > "$RUN/$LD/checkpoints/last" || return 1
     [ "$(sha256sum < "$step/trainer.ckpt" | cut -d' ' -f1)" = "$(cut -d' ' -f1 /tmp/resume-stage/trainer.ckpt.sha256)" ] \
       || { log "the staged checkpoint's checksum does not match"; return 1; }
     resume=(--ckpt_path "$step/trainer.ckpt"); log "learn: resuming from $(basename "$step")"
@@ -166,18 +168,18 @@ learn() {  # the learning run, stopped by max_time; resumed from a staged traine
   timed learn env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "${ALFRL[@]}" fit --config "$LEARN" "${MODEL[@]}" \
     --model.init_adapter "$RUN/sft/checkpoints/last" "${FIT[@]}" "${resume[@]}" \
     --trainer.max_time "$(printf '00:%02d:%02d:%02d' $(( left / 3600 )) $(( left / 60 % 60 )) $(( left % 60 )))" \
-    --trainer.default_root_dir "$RUN/learn"
-  cat "$RUN/learn"/csv/version_*/metrics.csv > "$W/results/learn.metrics.csv" 2>/dev/null
-  local last; last=$(last_step "$RUN/learn/checkpoints") && log "learn: last checkpoint $last" || return 1
-  cp "$last/adapter/adapter_config.json" "$W/results/learn_adapter_config.json" 2>/dev/null
-  basename "$last" > "$W/results/learn_last_step"
-  ship "$last/trainer.ckpt" "e_learn_$(basename "$last")_trainer.ckpt"   # the next lease resumes from it (the adapter is in it)
-  ship "$last/adapter/adapter_model.safetensors" "f_learn_$(basename "$last")_adapter.safetensors"   # last: `send` brings it if time allows
+    --trainer.default_root_dir "$RUN/$LD" "${ARM_ARGS[@]}"
+  cat "$RUN/$LD"/csv/version_*/metrics.csv > "$W/results/$LD.metrics.csv" 2>/dev/null
+  local last; last=$(last_step "$RUN/$LD/checkpoints") && log "learn: last checkpoint $last" || return 1
+  cp "$last/adapter/adapter_config.json" "$W/results/${LD}_adapter_config.json" 2>/dev/null
+  basename "$last" > "$W/results/${LD}_last_step"
+  ship "$last/trainer.ckpt" "e_${LD}_$(basename "$last")_trainer.ckpt"   # the next lease resumes from it (the adapter is in it)
+  ship "$last/adapter/adapter_model.safetensors" "f_${LD}_$(basename "$last")_adapter.safetensors" || true   # last: `send` brings it if time allows (a resumed run that made no update has none)
 }
 
 learneval() {  # the learning run's last adapter, the 274 games deterministic (paired against the warm start's det_a locally)
-  local last; last=$(last_step "$RUN/learn/checkpoints") || { log "learneval: no learn checkpoint"; return 1; }
-  local name=learn_$(basename "$last")
+  local last; last=$(last_step "$RUN/$LD/checkpoints") || { log "learneval: no learn checkpoint"; return 1; }
+  local name=${LD}_$(basename "$last")
   timed "eval_$name" "${ALFRL[@]}" eval --config "$LEARN" "${MODEL[@]}" --adapter "$last" "${EVAL[@]}" --out "$RUN/$name.jsonl" || return 1
   cp "$RUN/$name.summary.json" "$W/results/"; grep -h "evaluation time\|in engine steps" "$W/logs/eval_$name.log" >> "$W/results/eval_times.txt"
   gzip -c "$RUN/$name.jsonl" > "$W/$name.jsonl.gz" && ship "$W/$name.jsonl.gz" "c_$name.jsonl.gz"
@@ -212,7 +214,7 @@ case "${1:-}" in
     rm -rf "$W/repo" && mkdir -p "$W/repo" && tar -c --exclude=./.git --exclude='./.gpu-*' --exclude=./.venv --exclude=./.cache \
       --exclude=./runs . | tar -x -C "$W/repo" && cp "$0" "$W/lease.sh" || exit 1
     [ "$DRY" = 1 ] && ln -s "$REPO/.venv" "$W/repo/.venv"
-    ALFRL_REPO=$W/repo ALFRL_GPU_WORK=$W LANES="$LANES" DRY=$DRY SFT_STEPS=${SFT_STEPS:-} EVALS="${EVALS:-}" FITS="${FITS:-}" EVAL_RESERVE_S=${EVAL_RESERVE_S:-300} UNTIL=$(( $(date +%s) + ${UNTIL_S:-1380} )) \
+    ALFRL_REPO=$W/repo ALFRL_GPU_WORK=$W LANES="$LANES" DRY=$DRY SFT_STEPS=${SFT_STEPS:-} EVALS="${EVALS:-}" FITS="${FITS:-}" ARM="${ARM:-}" EVAL_RESERVE_S=${EVAL_RESERVE_S:-300} UNTIL=$(( $(date +%s) + ${UNTIL_S:-1380} )) \
       setsid nohup bash "$W/lease.sh" _run > "$W/logs/job.log" 2>&1 < /dev/null &
     log "started: $LANES" ;;
   _run)
