@@ -142,9 +142,8 @@ def newest_intact(checkpoints: Path, files: tuple[str, ...] = (CKPT_FILE,)) -> P
     return None
 
 
-def _damaged(path: Path, files: tuple[str, ...], option: str) -> CheckpointDamagedError:
-    """The one-line error for a damaged ``path``: what is wrong and the newest checkpoint whose ``files`` are intact."""
-    why = damage(path)
+def _damaged(path: Path, why: str, files: tuple[str, ...], option: str) -> CheckpointDamagedError:
+    """The one-line error for ``path`` (``why``: what ``damage`` found) and the newest checkpoint whose ``files`` are intact."""
     step = path.parent if path.name == CKPT_FILE else path.parent.parent
     intact = newest_intact(step.parent, files) if step.name.startswith("step-") else None
     fix = f"use the newest intact checkpoint: {option + ' ' if option else ''}{intact}" if intact else f"no intact checkpoint is left in {step.parent}"
@@ -187,8 +186,9 @@ def resolve_ckpt_path(path: str) -> str:
         raise FileNotFoundError(f"no checkpoint at {path}: pass a step folder such as runs/x/checkpoints/step-000020, "
                                 "runs/x/checkpoints/last, or its trainer.ckpt")
     for file in (p, p.parent / ADAPTER_FILE):  # the step's adapter too: what `alfrl eval` reads of this step later
-        if file.is_file() and damage(file):
-            raise _damaged(file, (CKPT_FILE, ADAPTER_FILE), "--ckpt_path")
+        why = damage(file) if file.is_file() else None
+        if why:
+            raise _damaged(file, why, (CKPT_FILE, ADAPTER_FILE), "--ckpt_path")
     return str(p)
 
 
@@ -199,15 +199,13 @@ def adapter_source(path: str) -> Path:
     p = _follow_last(Path(path))
     if p.is_dir() and (p / "adapter").is_dir():
         p = p / "adapter"
-    if p.is_file() and p.suffix == ".ckpt":
-        if damage(p):
-            raise _damaged(p, (CKPT_FILE,), "")
-        return p
-    if not ((p / "adapter_config.json").is_file() and (p / "adapter_model.safetensors").is_file()):
+    is_ckpt = p.is_file() and p.suffix == ".ckpt"
+    if not is_ckpt and not ((p / "adapter_config.json").is_file() and (p / "adapter_model.safetensors").is_file()):
         raise FileNotFoundError(f"no LoRA adapter at {path}: pass a checkpoint folder, its adapter/ folder or trainer.ckpt")
-    weights = p if p.suffix == ".ckpt" else p / "adapter_model.safetensors"
-    if damage(weights):
-        raise _damaged(weights, (ADAPTER_FILE,), "")
+    weights = p if is_ckpt else p / "adapter_model.safetensors"
+    why = damage(weights)
+    if why:
+        raise _damaged(weights, why, (CKPT_FILE,) if is_ckpt else (ADAPTER_FILE,), "")
     return p
 
 
@@ -220,11 +218,12 @@ def check_adapter(path: str, rank: int, alpha: int) -> Path:
     try:
         config = json.loads((p / "adapter_config.json").read_text())
     except (ValueError, UnicodeDecodeError):
-        raise ValueError(f"{p / 'adapter_config.json'} is not valid JSON: write the adapter again (alfrl sft / alfrl fit)") from None
+        config = None
+    if not isinstance(config, dict):
+        raise ValueError(f"{p / 'adapter_config.json'} is not a JSON object: write the adapter again (alfrl sft / alfrl fit)")
     for key, mine, name in (("r", rank, "model.lora.rank"), ("lora_alpha", alpha, "model.lora.alpha")):
-        if not isinstance(config, dict) or config.get(key) != mine:
-            found = config.get(key) if isinstance(config, dict) else None
-            raise ValueError(f"adapter {p} has {key}={found} but {name}={mine}: use the LoRA settings the adapter was trained with")
+        if config.get(key) != mine:
+            raise ValueError(f"adapter {p} has {key}={config.get(key)} but {name}={mine}: use the LoRA settings the adapter was trained with")
     return p
 
 

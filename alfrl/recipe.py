@@ -149,7 +149,7 @@ def check_recipe_files(args: list[str]) -> None:
 
 RECIPE_GROUPS = {  # the sections of a recipe and the groups inside them whose value is a mapping of keys
     "trainer": (), "checkpoint": (), "weight_sync": (), "periodic_eval": (), "progress_bar": (),
-    "model": ("lora", "optim", "ppo"), "data": ("rollout", "reward", "advantage", "engine", "env", "eval"),
+    "model": ("lora", "optim", "ppo"), "data": tuple(DATA_CONFIGS),
 }
 
 

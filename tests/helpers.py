@@ -164,3 +164,5 @@ def alfrl_here(capfd, *args: str) -> subprocess.CompletedProcess:
     out = capfd.readouterr()
     return subprocess.CompletedProcess(["alfrl", *args], code, out.out, out.err)
 
+
+EMPTY_SAFETENSORS = b"\x02\x00\x00\x00\x00\x00\x00\x00{}"  # a whole safetensors file that holds no tensor

@@ -8,8 +8,7 @@ import pytest
 
 from alfrl.checkpoints import CheckpointSpaceError, resolve_ckpt_path
 from callbacks.checkpointing import Checkpointing
-
-_ADAPTER = b"\x02\x00\x00\x00\x00\x00\x00\x00{}"  # a safetensors file of no tensors
+from tests.helpers import EMPTY_SAFETENSORS
 
 
 def _zip(path: Path, which: str) -> None:
@@ -32,7 +31,7 @@ def _steps(root: Path, n: int) -> list[Path]:
     for step in range(1, n + 1):
         d = root / f"step-{step:06d}"
         (d / "adapter").mkdir(parents=True)
-        (d / "adapter" / "adapter_model.safetensors").write_bytes(_ADAPTER)
+        (d / "adapter" / "adapter_model.safetensors").write_bytes(EMPTY_SAFETENSORS)
         _zip(d / "trainer.ckpt", "t")
         folders.append(d)
     return folders
@@ -192,7 +191,7 @@ ckpt.Checkpointing(keep_resume_states=2).save(_Trainer(Path({root!r}), 3, "new")
 
 def _write_adapter(model, folder: Path) -> None:
     folder.mkdir()
-    (folder / "adapter_model.safetensors").write_bytes(_ADAPTER)
+    (folder / "adapter_model.safetensors").write_bytes(EMPTY_SAFETENSORS)
 
 
 def test_a_step_saved_again_and_killed_between_its_renames_leaves_last_loadable(tmp_path, monkeypatch):

@@ -14,7 +14,7 @@ from alfrl.evaluation import EvalConfig, EvalError, eval_games, read_results, ru
 from alfrl.rewards import RewardConfig
 from alfrl.rollout import RolloutConfig, RolloutRunner
 from tests.conftest import one_game_per_task
-from tests.helpers import WalkthroughEngine, alfrl_here
+from tests.helpers import EMPTY_SAFETENSORS, WalkthroughEngine, alfrl_here
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -330,7 +330,7 @@ def test_an_adapter_of_other_lora_settings_or_damaged_is_one_line_before_any_mod
     adapter = tmp_path / "adapter"
     adapter.mkdir()
     (adapter / "adapter_config.json").write_text(json.dumps({"r": 4 if problem == "rank" else 8, "lora_alpha": 16}))
-    (adapter / "adapter_model.safetensors").write_bytes(b"\x02\x00\x00\x00\x00\x00\x00\x00{}"[: 3 if problem == "truncated" else None])
+    (adapter / "adapter_model.safetensors").write_bytes(EMPTY_SAFETENSORS[: 3 if problem == "truncated" else None])
     code = main(["eval", "--config", "recipes/tiny.yaml", "--model.model_name", tiny_model_dir, "--adapter", str(adapter),
                  "--out", str(tmp_path / "x.jsonl")])
     err = capsys.readouterr().err

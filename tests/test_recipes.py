@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from alfrl.recipe import parse_recipe, recipe_problems
-from tests.helpers import alfrl_here
+from tests.helpers import EMPTY_SAFETENSORS, alfrl_here
 
 RECIPES = sorted(str(p) for p in (Path(__file__).resolve().parent.parent / "recipes").glob("*.yaml"))
 
@@ -182,14 +182,14 @@ def test_a_missing_warm_start_adapter_is_a_recipe_problem_before_any_model_loads
     step = tmp_path / "sft" / "checkpoints" / "step-000004" / "adapter"
     step.mkdir(parents=True)
     (step / "adapter_config.json").write_text('{"r": 8, "lora_alpha": 16}')  # the tiny recipe's LoRA
-    (step / "adapter_model.safetensors").write_bytes(b"\x02\x00\x00\x00\x00\x00\x00\x00{}")  # a safetensors file, no tensors
+    (step / "adapter_model.safetensors").write_bytes(EMPTY_SAFETENSORS)
     (step.parent.parent / "last").write_text("step-000004")
     assert problems(step.parent.parent / "last") == [] and problems(step.parent) == [] and problems(step) == []
     # another LoRA's adapter, or a damaged one: named before any model loads
     (step / "adapter_config.json").write_text('{"r": 16, "lora_alpha": 16}')
     assert ["has r=16 but model.lora.rank=8" in p for p in problems(step)] == [True]
     (step / "adapter_config.json").write_text('{"r": 8, "lora_alpha": 16}')
-    (step / "adapter_model.safetensors").write_bytes(b"\x02\x00\x00")
+    (step / "adapter_model.safetensors").write_bytes(EMPTY_SAFETENSORS[:3])
     assert ["is damaged: its header is cut short" in p for p in problems(step)] == [True]
     # a warm start may itself start from an adapter: the same check
     from alfrl.recipe import SFTCLI, sft_problems
