@@ -7,7 +7,8 @@ success by task type, invalid actions per episode.
 With ``--train-log RUN_DIR`` (a training run's ``default_root_dir``, or its ``metrics.csv`` files) it
 also writes the training curves from the run's CSV logs: ``training.csv`` (one row per update: rollout
 reward, success and invalid actions; later logs win for a step logged twice, as after a resume) and
-``training_curves.png``.
+``training_curves.png``; where the run evaluated itself (``periodic_eval``), ``eval_curves.csv`` and ``eval_curves.png``
+(success per task type against updates) and their table in the report.
 """
 
 from __future__ import annotations
@@ -237,11 +238,8 @@ def _log_order(f: Path) -> tuple[int, float, str]:
     return (int(m.group(1)) if m else -1, f.stat().st_mtime, str(f))
 
 
-def training_rows(sources: list[str], columns: dict[str, str] = TRAIN_COLUMNS) -> list[dict]:
-    """One row per update step from CSVLogger files (``RUN_DIR/**/metrics.csv`` or the files themselves): each of ``columns``
-    (name -> logged metric; None where not logged) and ``seconds_step``. ``columns`` must hold ``STEP_PARTS``."""
-    import csv
-
+def _metric_files(sources: list[str]) -> list[Path]:
+    """CSVLogger files under each source (``RUN_DIR/**/metrics.csv`` or the files themselves), oldest version first."""
     files: list[Path] = []
     for src in sources:
         p = Path(src)
@@ -254,8 +252,16 @@ def training_rows(sources: list[str], columns: dict[str, str] = TRAIN_COLUMNS) -
     if not files:
         raise SystemExit(f"alfrl report: no metrics.csv under {', '.join(sources)}: give the run's trainer.default_root_dir "
                          "(its CSVLogger writes <dir>/csv/version_N/metrics.csv)")
+    return files
+
+
+def training_rows(sources: list[str], columns: dict[str, str] = TRAIN_COLUMNS) -> list[dict]:
+    """One row per update step from CSVLogger files (``RUN_DIR/**/metrics.csv`` or the files themselves): each of ``columns``
+    (name -> logged metric; None where not logged) and ``seconds_step``. ``columns`` must hold ``STEP_PARTS``."""
+    import csv
+
     by_step: dict[int, dict] = {}
-    for f in files:  # oldest first, so a resumed run's rows replace the ones it redid
+    for f in _metric_files(sources):  # oldest first, so a resumed run's rows replace the ones it redid
         with open(f, newline="") as fh:
             for rec in csv.DictReader(fh):
                 if not rec.get("step") or not rec.get(TRAIN_COLUMNS["reward"]):
@@ -270,6 +276,87 @@ def training_rows(sources: list[str], columns: dict[str, str] = TRAIN_COLUMNS) -
                 row["seconds_other"] = None if wall is None or row["seconds_step"] is None else wall - row["seconds_step"]
                 by_step[row["step"]] = row
     return [by_step[k] for k in sorted(by_step)]
+
+
+EVAL_PREFIX = "eval/"
+"""The periodic evaluation's metrics (``callbacks/periodic_eval.py``): ``eval/success_rate``, ``eval/<split>/success_rate``
+and ``eval/task/<task type>/success_rate``, logged every ``periodic_eval.every_n_steps`` updates on the same games."""
+
+
+def eval_rows(sources: list[str]) -> list[dict]:
+    """One row per periodic evaluation in the run's CSV logs: ``update`` (the updates done before it) and every success
+    rate it logged, by name without the prefix (``success_rate``, ``valid_seen``, ``task/<type>``); a resumed run's row
+    wins for an update evaluated twice."""
+    import csv
+
+    by_update: dict[int, dict] = {}
+    for f in _metric_files(sources):
+        with open(f, newline="") as fh:
+            for rec in csv.DictReader(fh):
+                if not rec.get("step") or rec.get(f"{EVAL_PREFIX}success_rate") in (None, ""):
+                    continue
+                row: dict = {"update": int(float(rec["step"])) + 1}
+                for col, value in rec.items():
+                    if col and col.startswith(EVAL_PREFIX) and col.endswith("success_rate") and value not in (None, ""):
+                        name = col[len(EVAL_PREFIX):].removesuffix("/success_rate") or "success_rate"
+                        row[name] = float(value)
+                by_update[row["update"]] = row
+    return [by_update[k] for k in sorted(by_update)]
+
+
+def _eval_columns(rows: list[dict]) -> list[str]:
+    names = {k for r in rows for k in r if k != "update"}
+    return ["success_rate", *[s for s in SPLIT_COLUMNS if s in names],
+            *[f"task/{t}" for t in TASK_TYPES if f"task/{t}" in names]]
+
+
+def eval_markdown(rows: list[dict]) -> str:
+    """The periodic evaluations as a table: success overall, per split and per task type (all splits) at each one."""
+    cols = _eval_columns(rows)
+    head = ["update", *[c.removeprefix("task/") for c in cols]]
+    lines = [f"\n## Periodic evaluation ({len(rows)} evaluations, success, the same games each time)\n",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        lines.append("| " + " | ".join([str(r["update"]), *[_pct(r.get(c)) for c in cols]]) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def eval_outputs(rows: list[dict], out: Path) -> list[Path]:
+    """``eval_curves.csv`` (the table) and ``eval_curves.png``: success per task type and overall against updates."""
+    import csv
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cols = _eval_columns(rows)
+    table = out / "eval_curves.csv"
+    with open(table, "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=["update", *cols], extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    updates = [r["update"] for r in rows]
+    for col in cols:
+        if col in SPLIT_COLUMNS:
+            continue
+        overall = col == "success_rate"
+        values = [None if r.get(col) is None else 100 * r[col] for r in rows]
+        ax.plot(updates, values, marker="o", markersize=4 if overall else 3, linewidth=2.5 if overall else 1.2,
+                color="black" if overall else None, label="all games" if overall else col.removeprefix("task/"))
+    ax.set_ylim(-2, 102)
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.set_xlabel("update")
+    ax.set_ylabel("success rate (%)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    ax.set_title("Periodic evaluation: success per task type")
+    fig.tight_layout()
+    png = out / "eval_curves.png"
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+    return [table, png]
 
 
 def training_markdown(rows: list[dict]) -> str:
@@ -344,6 +431,8 @@ def main(argv: list[str]) -> int:
     text = markdown(runs) + (paired_markdown(loaded) if len(loaded) > 1 else "")
     train_rows = training_rows(args.train_log) if args.train_log else []
     text += training_markdown(train_rows) if train_rows else ""
+    evals = eval_rows(args.train_log) if args.train_log else []
+    text += eval_markdown(evals) if evals else ""
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.md").write_text(text)
@@ -351,6 +440,8 @@ def main(argv: list[str]) -> int:
     files = charts(runs, out)
     if train_rows:
         files += training_outputs(train_rows, out)
+    if evals:
+        files += eval_outputs(evals, out)
     if args.html:
         from alfrl.html_report import build_page
 

@@ -259,6 +259,42 @@ def test_report_training_curves_merge_a_resumed_run(tmp_path):
         training_rows([str(tmp_path / "report")])
 
 
+def test_report_draws_the_periodic_evaluation_per_task_type_against_updates(tmp_path):
+    """eval/ columns on the update's row (as Lightning's CSVLogger merges them): update = step + 1, a resumed run's
+    evaluation wins, the table and the curves written; a run that never evaluated gets neither."""
+    from alfrl.report import eval_rows
+    from alfrl.report import main as report_main
+
+    header = ("step,rollout/reward_mean,eval/success_rate,eval/valid_seen/success_rate,eval/valid_unseen/success_rate,"
+              "eval/task/pick_and_place_simple/success_rate,eval/task/pick_two_obj_and_place/success_rate,eval/wins\n")
+    for version, body in ((0, "9,0.1,0.25,0.5,0.0,1.0,0.0,5\n10,0.2,,,,,,\n19,0.3,0.3,0.4,0.2,1.0,0.0,6\n"),
+                          (1, "19,0.3,0.45,0.5,0.4,1.0,0.5,9\n")):
+        folder = tmp_path / "run" / "csv" / f"version_{version}"
+        folder.mkdir(parents=True)
+        (folder / "metrics.csv").write_text(header + body)
+    rows = eval_rows([str(tmp_path / "run")])
+    assert [r["update"] for r in rows] == [10, 20]
+    assert rows[1] == {"update": 20, "success_rate": 0.45, "valid_seen": 0.5, "valid_unseen": 0.4,
+                       "task/pick_and_place_simple": 1.0, "task/pick_two_obj_and_place": 0.5}
+    result = tmp_path / "result.jsonl"
+    from alfrl.evaluation import summarize
+
+    game = {"type": "game", "game_id": "g", "split": "valid_seen", "task_type": "pick_and_place_simple", "won": True,
+            "steps": 3, "invalid_actions": 0, "reward": 1.0, "stop_reason": "won", "turns": []}
+    result.write_text("".join(json.dumps(x) + "\n" for x in [{"type": "header", "config": {}, "games": ["g"]}, game, summarize([game])]))
+    out = tmp_path / "report"
+    assert report_main([str(result), "--out", str(out), "--train-log", str(tmp_path / "run")]) == 0
+    report = (out / "report.md").read_text()
+    assert "## Periodic evaluation (2 evaluations" in report
+    assert "| 20 | 45.00% | 50.00% | 40.00% | 100.00% | 50.00% |" in report
+    assert (out / "eval_curves.csv").read_text().splitlines()[0] == \
+        "update,success_rate,valid_seen,valid_unseen,task/pick_and_place_simple,task/pick_two_obj_and_place"
+    assert (out / "eval_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "plain" / "metrics.csv").write_text("step,rollout/reward_mean\n0,0.1\n")
+    assert eval_rows([str(tmp_path / "plain")]) == []
+
+
 def test_identical_games_finds_each_games_first_different_turn():
     """alfrl report's "games played identically": every turn's text, action and token counts, and the same stop."""
     from alfrl.report import identical_games
