@@ -19,7 +19,7 @@
 # the bit"); fits: 3-update fits of recipes/rl_qwen15b_grpo.yaml at 4 games x 8, 20 steps, data.rollout.deterministic true
 # twice (rollouts and adapters hashed), false, and true with torch's deterministic algorithms, warn_only (FITS="..." picks); learn: the learning run of that recipe (issue "Learning at scale") until UNTIL_S seconds after `start`
 # (ARM=gigpo: the GiGPO arm in its own folder; its last adapter shipped; with learneval in LANES it stops EVAL_RESERVE_S, default 300, earlier); learneval: that adapter's
-# 274-game deterministic evaluation (records and summary shipped). SFT_STEPS=N: a shorter warm start; EVALS="det_a det_b": those evaluations only.
+# 274-game deterministic evaluation (records and summary shipped); recipefit: 3 updates of recipes/qwen15b_coder_h200.yaml (an H200). SFT_STEPS=N: a shorter warm start; EVALS="det_a det_b": those evaluations only.
 # DRY=1 runs the same lanes on this CPU with the tiny model (hf engine, 2 games a split) to check them before a lease.
 set -uo pipefail
 cd "${ALFRL_REPO:-$(dirname "$0")/..}"
@@ -42,14 +42,14 @@ timed() {  # timed NAME CMD...: the command's output in logs/NAME.log, its rc an
 if [ "$DRY" = 1 ]; then
   PY=${PY:-$REPO/.venv/bin/python}; export ALFWORLD_DATA=${ALFWORLD_DATA_DRY:-$REPO/.cache/alfworld} PYTHONPATH=$REPO
   TINY=${ALFRL_TINY_MODEL:-$REPO/.cache/tiny-model}
-  LEARN=recipes/tiny.yaml; SFT=recipes/sft_tiny.yaml; MODEL=(--model.model_name "$TINY")
+  LEARN=recipes/tiny.yaml; SFT=recipes/sft_tiny.yaml; MODEL=(--model.model_name "$TINY"); H200FIT=$LEARN
   SFT_ARGS=(--trainer.max_steps 2 --trainer.accelerator cpu); EXPERT=$REPO/runs/tiny-expert.jsonl; SFT_FAST=(--model.attn_implementation sdpa_varlen)
   EVAL=(--limit-per-split 2 --data.env.num_workers 2); FIT=(--trainer.accelerator cpu --data.env.num_workers 2 --data.games_per_batch 2)
 else
   PY=python3
   export PYTHONPATH=/tmp/site:$REPO NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
   export TRITON_CACHE_DIR=$W/cache/triton VLLM_CACHE_ROOT=$W/cache/vllm TORCHINDUCTOR_CACHE_DIR=$W/cache/inductor
-  LEARN=recipes/rl_qwen15b_grpo.yaml; SFT=recipes/sft_qwen15b.yaml; MODEL=(--model.model_name "$W/qwen15b-coder-hf")
+  LEARN=recipes/rl_qwen15b_grpo.yaml; SFT=recipes/sft_qwen15b.yaml; MODEL=(--model.model_name "$W/qwen15b-coder-hf"); H200FIT=recipes/qwen15b_coder_h200.yaml
   SFT_ARGS=(${SFT_STEPS:+--trainer.max_steps $SFT_STEPS}); EXPERT=$W/expert.jsonl
   SFT_FAST=(--model.attn_implementation sdpa_varlen --model.adapter_dtype bfloat16 --model.ppo.microbatch_tokens 16384)
   # alone on the GPU: 0.85 of it holds every game's KV cache (28 KiB a token, 274 x 12,000 tokens at most)
@@ -150,6 +150,14 @@ fits() {  # 3-update fits from the warm start (4 games x 8, 20 steps: the lease'
     (cd "$RUN/$name" && sha256sum rollouts/* checkpoints/step-000003/adapter/* > "$W/results/$name.sha256" 2>/dev/null)
     [ -d "$RUN/$name/rollouts" ] && tar -czf "$W/$name.rollouts.tgz" -C "$RUN/$name" rollouts && ship "$W/$name.rollouts.tgz" "c_$name.rollouts.tgz"
   done
+}
+
+recipefit() {  # 3 updates of recipes/qwen15b_coder_h200.yaml as it stands (16,384-token rows: an H200's memory), from the warm start
+  # (issue "A core you would live in", item 6: its steps against the earlier fits of that recipe)
+  timed recipefit env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "${ALFRL[@]}" fit --config "$H200FIT" "${MODEL[@]}" \
+    --model.init_adapter "$RUN/sft/checkpoints/last" "${FIT[@]}" --trainer.max_steps 3 --checkpoint.save_every 3 \
+    --periodic_eval.every_n_steps 0 --trainer.default_root_dir "$RUN/recipefit"
+  cp "$RUN/recipefit"/csv/version_0/metrics.csv "$W/results/recipefit.metrics.csv" 2>/dev/null; true
 }
 
 learn() {  # the learning run, stopped by max_time; resumed from a staged trainer.ckpt if one was staged (`stage .gpu-resume/...`)
