@@ -313,8 +313,8 @@ def _eval_columns(rows: list[dict]) -> list[str]:
 def eval_markdown(rows: list[dict]) -> str:
     """The periodic evaluations as a table: success overall, per split and per task type (all splits) at each one."""
     cols = _eval_columns(rows)
-    head = ["update", *[c.removeprefix("task/") for c in cols]]
-    lines = [f"\n## Periodic evaluation ({len(rows)} evaluations, success, the same games each time)\n",
+    head = ["update", *["all games" if c == "success_rate" else c.removeprefix("task/") for c in cols]]
+    lines = [f"\n## Periodic evaluation ({len(rows)} evaluation{'s' * (len(rows) != 1)}, success, the same games each time)\n",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         lines.append("| " + " | ".join([str(r["update"]), *[_pct(r.get(c)) for c in cols]]) + " |")
