@@ -6,7 +6,11 @@
 #   UNTIL_S=1380 bash bench/lease.sh start       # install and games start; the job waits for the model's pieces:
 #   bash bench/lease.sh stage .gpu-model/m01     # ... m20; then the model, the rest of the expert plans and the lanes
 #   bash bench/lease.sh wait 540                 # until the lanes are done or 540 s pass; results, logs and 4 shipped pieces to $OUT
-#   bash bench/lease.sh send                     # 4 more shipped pieces (adapters come back in pieces of 14 MiB, their sha256 in results)
+#   bash bench/lease.sh send                     # 4 more shipped pieces (adapters come back in pieces of 14 MiB, their sha256 in results;
+#                                                # ~6 s a call: a trainer.ckpt, 31 pieces, in 8 calls, under a minute)
+#   bash bench/lease.sh stop                     # the learning run stops after its update and ships its newest checkpoint
+#                                                # (UNTIL_S counts from `start`, the device budget from the machine's start: leave
+#                                                # the shipping's minute and a margin; a second `start` skips the setup)
 #   bash bench/lease.sh stage .gpu-adapters/R/pieces/adapter.part00 .gpu-adapters/R/adapter_config.json .gpu-adapters/R/adapter.sha256
 #                                                # then part01, part02, before `start`: the warm start is that adapter, no sft
 #   bash bench/lease.sh stage .gpu-resume/R/trainer.ckpt.part00 .gpu-resume/R/step .gpu-resume/R/trainer.ckpt.sha256
@@ -219,14 +223,18 @@ case "${1:-}" in
       *) echo "stage: give .gpu-kit/cNN, .gpu-model/mNN, .gpu-data, .gpu-adapters/RUN/pieces/adapter.partNN [...] or .gpu-resume/RUN/..." >&2; exit 2 ;;
     esac && log "staged $2" ;;
   start)  # the job runs from a copy of the checkout: a later call's checkout (edited meanwhile) does not reach it
-    rm -rf "$W/repo" && mkdir -p "$W/repo" && tar -c --exclude=./.git --exclude='./.gpu-*' --exclude=./.venv --exclude=./.cache \
+    rm -f "$W/done"; rm -rf "$W/repo" && mkdir -p "$W/repo" && tar -c --exclude=./.git --exclude='./.gpu-*' --exclude=./.venv --exclude=./.cache \
       --exclude=./runs . | tar -x -C "$W/repo" && cp "$0" "$W/lease.sh" || exit 1
     [ "$DRY" = 1 ] && ln -s "$REPO/.venv" "$W/repo/.venv"
     ALFRL_REPO=$W/repo ALFRL_GPU_WORK=$W LANES="$LANES" DRY=$DRY SFT_STEPS=${SFT_STEPS:-} EVALS="${EVALS:-}" FITS="${FITS:-}" ARM="${ARM:-}" EVAL_RESERVE_S=${EVAL_RESERVE_S:-300} UNTIL=$(( $(date +%s) + ${UNTIL_S:-1380} )) \
       setsid nohup bash "$W/lease.sh" _run > "$W/logs/job.log" 2>&1 < /dev/null &
     log "started: $LANES" ;;
   _run)
-    if setup; then for lane in $LANES; do "$lane" || log "$lane failed"; done; fi; touch "$W/done"; log "done" ;;
+    # a second `start` on a machine already set up (its wheels installed, the model converted) runs only the lanes
+    if [ -f "$W/setup.done" ] || { setup && touch "$W/setup.done"; }; then for lane in $LANES; do "$lane" || log "$lane failed"; done; fi
+    touch "$W/done"; log "done" ;;
+  stop)  # the running fit ends after its update (Lightning's SIGTERM); its lane then ships the newest saved checkpoint
+    pkill -TERM -f "[a]lfrl.cli fit" && log "stop: SIGTERM to the fit" ;;
   send) send "${2:-4}"; pack ;;
   wait)
     end=$(( $(date +%s) + ${2:-540} ))
