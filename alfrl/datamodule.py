@@ -233,18 +233,20 @@ class RolloutDataModule(L.LightningDataModule):
         return plan
 
     # ------------------------------------------------------------ periodic evaluation
-    def evaluate_in_memory(self, limit_per_split: int | None) -> dict:
-        """The evaluation protocol on the first games of each split; with several ranks, games are sharded."""
-        from alfrl.evaluation import eval_games, summarize
+    def evaluate_in_memory(self, limit_per_split: int | None) -> tuple[list[dict], bool]:
+        """The evaluation protocol on the first games of each split (with several ranks, sharded and gathered): every game's
+        record, and whether the engine that played them was batch-invariant (the training engine's setting)."""
+        from alfrl.evaluation import eval_games
 
         rank, world = self._rank_world()
         games = eval_games(self.data_dir, self.eval_cfg.splits, limit_per_split)[rank::world]
-        records = self.connect(self.trainer.lightning_module).evaluate_records(games)
+        sampler = self.connect(self.trainer.lightning_module)
+        records = sampler.evaluate_records(games)
         if world > 1:
             gathered: list = [None] * world
             torch.distributed.all_gather_object(gathered, records)
             records = [r for part in gathered for r in part]
-        return summarize(records)
+        return records, sampler.deterministic
 
 
 SUMMED_METRICS = ("rollout/trajectories", "rollout/failed_groups", "rollout/degenerate_groups", "rollout/dropped_groups")

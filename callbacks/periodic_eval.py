@@ -1,15 +1,19 @@
-"""Every N steps, evaluate the current policy on a subset of the evaluation games and log it."""
+"""Every N steps, evaluate the current policy on a subset of the evaluation games, log it and keep its records."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import lightning as L
 
-from alfrl.evaluation import task_type_wins
+from alfrl.evaluation import results_header, summarize, task_type_wins, write_results
 
 
 class PeriodicEval(L.Callback):
     """Runs the evaluation protocol of ``data.eval`` on ``limit_per_split`` games of each split (the same
-    games every time, spread over the task types) and logs success overall, per split and per task type."""
+    games every time, spread over the task types) and logs success overall, per split and per task type. Every game's
+    record goes to ``<default_root_dir>/evals/update-NNNNNN.jsonl`` in ``alfrl eval``'s format, so that ``alfrl report``
+    pairs it with any evaluation on the games both played (the warm start's, an earlier update's)."""
 
     def __init__(self, every_n_steps: int = 0, limit_per_split: int | None = 10):
         """
@@ -26,8 +30,14 @@ class PeriodicEval(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         if not self.every_n_steps or trainer.global_step % self.every_n_steps:
             return
-        summary = trainer.datamodule.evaluate_in_memory(self.limit_per_split)
+        records, deterministic = trainer.datamodule.evaluate_in_memory(self.limit_per_split)
+        summary = summarize(records, deterministic)
         self.last = summary
+        if trainer.is_global_zero:
+            config = {"source": "periodic_eval", "update": trainer.global_step, "limit_per_split": self.limit_per_split,
+                      "model_name": getattr(getattr(pl_module, "hparams", None), "model_name", None), "deterministic": deterministic}
+            write_results(Path(trainer.default_root_dir) / "evals" / f"update-{trainer.global_step:06d}.jsonl",
+                          results_header(config, [r["game_id"] for r in records]), records, summary)
         metrics = {f"eval/{k}": float(v) for k, v in summary["overall"].items()}
         for split, block in summary["splits"].items():
             metrics[f"eval/{split}/success_rate"] = float(block["success_rate"])
