@@ -18,7 +18,7 @@ import json
 import sys
 from pathlib import Path
 
-from alfrl.evaluation import EvalError, read_results, task_type_wins
+from alfrl.evaluation import EvalError, read_results, summarize, task_type_wins
 from alfrl.games import TASK_TYPES
 
 SPLIT_COLUMNS = ("valid_seen", "valid_unseen")
@@ -44,6 +44,23 @@ def load_runs(paths: list[str], names: list[str] | None) -> list[tuple[str, dict
         _header, games, summary = read_results(path)
         runs.append((names[i] if names else Path(path).stem, summary, games))
     return runs
+
+
+def common_games(loaded: list[tuple[str, dict, list[dict]]]) -> tuple[list[tuple[str, dict, list[dict]]], str | None]:
+    """The runs as given when they played the same games; else each cut to the games every run played (its summary
+    recomputed), with a line saying so: a 274-game evaluation beside a 60-game periodic one compares 60 games."""
+    sets = [{g["game_id"] for g in games} for _, _, games in loaded]
+    if all(s == sets[0] for s in sets):
+        return loaded, None
+    common = set.intersection(*sets)
+    counts = ", ".join(f"{name} {len(s)}" for (name, _, _), s in zip(loaded, sets))
+    if not common:
+        raise SystemExit(f"alfrl report: no game was played by every run ({counts} games): compare evaluations of the same "
+                         "splits, or report them separately")
+    cut = [(name, summarize([g for g in games if g["game_id"] in common], summary.get("deterministic")),
+            [g for g in games if g["game_id"] in common]) for name, summary, games in loaded]
+    return cut, (f"The runs played different games ({counts}): every table and chart below is over the {len(common)} "
+                 "games all of them played.")
 
 
 def paired_markdown(runs: list[tuple[str, dict, list[dict]]]) -> str:
@@ -127,9 +144,10 @@ def determinism_warning(runs: list[tuple[str, dict]]) -> str | None:
             "data.eval.deterministic: true")
 
 
-def markdown(runs: list[tuple[str, dict]]) -> str:
+def markdown(runs: list[tuple[str, dict]], cut: str | None = None) -> str:
+    """The success tables; ``cut``: the line saying the runs were cut to their common games (``common_games``)."""
     base = runs[0][1]
-    lines = ["# alfrl evaluation report", "", "## Success", ""]
+    lines = ["# alfrl evaluation report", "", "## Success", "", *([cut, ""] if cut else [])]
     lines.append("| run | seen | unseen | overall | wins | mean reward | invalid actions / episode | valid format | admissible | deterministic |")
     lines.append("|---|---|---|---|---|---|---|---|---|---|")
     for name, s in runs:
@@ -424,11 +442,15 @@ def main(argv: list[str]) -> int:
     except EvalError as e:
         print(f"alfrl report: {e}", file=sys.stderr)
         return 2
+    games_played = [(name, games) for name, _, games in loaded]  # every game, for the HTML page
+    loaded, cut = common_games(loaded)
     runs = [(name, summary) for name, summary, _ in loaded]
     warning = determinism_warning(runs)
     if warning:
         print(f"alfrl report: warning: {warning}", file=sys.stderr)
-    text = markdown(runs) + (paired_markdown(loaded) if len(loaded) > 1 else "")
+    if cut:
+        print(f"alfrl report: {cut}", file=sys.stderr)
+    text = markdown(runs, cut) + (paired_markdown(loaded) if len(loaded) > 1 else "")
     train_rows = training_rows(args.train_log) if args.train_log else []
     text += training_markdown(train_rows) if train_rows else ""
     evals = eval_rows(args.train_log) if args.train_log else []
@@ -445,7 +467,7 @@ def main(argv: list[str]) -> int:
     if args.html:
         from alfrl.html_report import build_page
 
-        page = build_page([(name, games) for name, _, games in loaded], text, [f for f in files if f.suffix == ".png"],
+        page = build_page(games_played, text, [f for f in files if f.suffix == ".png"],
                           [(Path(p).stem, Path(p)) for p in args.rollouts])
         (out / "report.html").write_text(page)
         files.append(out / "report.html")

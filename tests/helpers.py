@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 
@@ -161,6 +162,8 @@ def alfrl_here(capfd, *args: str) -> subprocess.CompletedProcess:
         code = main(list(args))
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if not isinstance(e.code, int) and e.code is not None:
+            print(e.code, file=sys.stderr)  # as Python prints a SystemExit's message before the process exits
     out = capfd.readouterr()
     return subprocess.CompletedProcess(["alfrl", *args], code, out.out, out.err)
 

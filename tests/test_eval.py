@@ -194,6 +194,28 @@ def test_report_of_hand_made_runs(tmp_path):
     assert table.count("% | not recorded |") == 2 and "Warning" not in table
 
 
+def test_report_of_runs_on_different_games_compares_the_games_all_of_them_played(tmp_path, capfd):
+    """A 274-game evaluation beside a 60-game periodic one: the tables are over the common games, and say so; runs
+    with no game in common are one line."""
+    def write(name, records):
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in [{"type": "header", "config": {}}, *records]))
+        return str(path)
+
+    full = write("full", HAND_MADE)  # 2 wins of 4
+    part = write("part", [dict(r, won=True) for r in HAND_MADE[1:3]])  # b and c, both won
+    out = tmp_path / "report"
+    proc = alfrl_here(capfd, "report", full, part, "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    table = (out / "report.md").read_text()
+    line = "The runs played different games (full 4, part 2): every table and chart below is over the 2 games all of them played."
+    assert line in table and line in proc.stderr
+    assert "| full | 50.00% | - | 50.00% | 1/2 |" in table and "| part | 100.00% (+50.00) | - | 100.00% (+50.00) | 2/2 |" in table
+    other = write("other", [dict(HAND_MADE[0], game_id="valid_seen:z")])
+    proc = alfrl_here(capfd, "report", full, other, "--out", str(tmp_path / "r2"))
+    assert proc.returncode != 0 and "no game was played by every run (full 4, other 1 games)" in proc.stderr
+
+
 def test_report_warns_when_it_pairs_a_deterministic_evaluation_with_one_that_was_not(tmp_path, capfd):
     """Two runs of one adapter on a non-deterministic engine differed by 3 points: a paired difference against such a run
     is not the adapters' alone; the report says so in report.md and on stderr, and says nothing when both are exact."""
