@@ -8,7 +8,6 @@ import pytest
 from alfrl.evaluation import read_results, summarize
 from callbacks.periodic_eval import PeriodicEval
 
-
 _IDS = itertools.count()
 
 
