@@ -182,6 +182,7 @@ learn() {  # the learning run, stopped by max_time; resumed from a staged traine
     --trainer.max_time "$(printf '00:%02d:%02d:%02d' $(( left / 3600 )) $(( left / 60 % 60 )) $(( left % 60 )))" \
     --trainer.default_root_dir "$RUN/$LD" "${ARM_ARGS[@]}"
   cat "$RUN/$LD"/csv/version_*/metrics.csv > "$W/results/$LD.metrics.csv" 2>/dev/null
+  [ -d "$RUN/$LD/evals" ] && tar -czf "$W/results/${LD}_evals.tgz" -C "$RUN/$LD" evals   # the periodic evaluations' games (alfrl report pairs them)
   local last; last=$(last_step "$RUN/$LD/checkpoints") && log "learn: last checkpoint $last" || return 1
   cp "$last/adapter/adapter_config.json" "$W/results/${LD}_adapter_config.json" 2>/dev/null
   basename "$last" > "$W/results/${LD}_last_step"
