@@ -8,7 +8,8 @@
 #   bash bench/lease.sh wait 540                 # until the lanes are done or 540 s pass; results, logs and 4 shipped pieces to $OUT
 #   bash bench/lease.sh send                     # 4 more shipped pieces (adapters come back in pieces of 14 MiB, their sha256 in results;
 #                                                # ~6 s a call: a trainer.ckpt, 31 pieces, in 8 calls, under a minute)
-#   bash bench/lease.sh stop                     # the learning run stops after its update and ships its newest checkpoint
+#   bash bench/lease.sh stop                     # the learning run ends (Lightning's SIGTERM) and ships its newest saved checkpoint
+#                                                # (every 2 updates; send it right after one is saved: `cat .gpu-work/runs/learn/checkpoints/last`)
 #                                                # (UNTIL_S counts from `start`, the device budget from the machine's start: leave
 #                                                # the shipping's minute and a margin; a second `start` skips the setup)
 #   bash bench/lease.sh stage .gpu-adapters/R/pieces/adapter.part00 .gpu-adapters/R/adapter_config.json .gpu-adapters/R/adapter.sha256
@@ -234,7 +235,7 @@ case "${1:-}" in
     # a second `start` on a machine already set up (its wheels installed, the model converted) runs only the lanes
     if [ -f "$W/setup.done" ] || { setup && touch "$W/setup.done"; }; then for lane in $LANES; do "$lane" || log "$lane failed"; done; fi
     touch "$W/done"; log "done" ;;
-  stop)  # the running fit ends after its update (Lightning's SIGTERM); its lane then ships the newest saved checkpoint
+  stop)  # the running fit ends (Lightning's SIGTERM; on 2026-12-06 it finished its periodic evaluation first); its lane ships the newest saved checkpoint
     pkill -TERM -f "[a]lfrl.cli fit" && log "stop: SIGTERM to the fit" ;;
   send) send "${2:-4}"; pack ;;
   wait)
