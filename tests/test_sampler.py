@@ -42,15 +42,15 @@ def fmt(tiny_tokenizer):
 
 
 def test_a_slow_completion_does_not_delay_the_other_trajectories_turns(game, fmt):
-    # trajectory 0's completions take 1.5 s from turn 1 on; the others' 10 ms (1.5 s leaves room for
-    # five environment steps of trajectory 1 on a loaded CPU: 0.5 s did not, with a background job)
-    engine = LatencyEngine(fmt, LOOKS, latency=lambda k, turn: 1.5 if (k == 0 and turn >= 1) else 0.01)
+    # trajectory 0's completion of turn 1 takes 1.5 s; every other 10 ms (1.5 s leaves room for five
+    # environment steps of trajectory 1 on a loaded CPU: 0.5 s did not, with a background job)
+    engine = LatencyEngine(fmt, LOOKS, latency=lambda k, turn: 1.5 if (k == 0 and turn == 1) else 0.01)
     (group,), trace = _play(engine, fmt, game, "async")
     assert all(t.steps == 6 for t in group.trajectories)
     # trajectory 1 asked for its last turn before trajectory 0's second turn came back
     assert _first(trace, "request", 1, 5) < _first(trace, "completion", 0, 1)
     # under the round barrier, nobody starts turn 2 before trajectory 0's turn 1 is back
-    engine = LatencyEngine(fmt, LOOKS, latency=lambda k, turn: 1.5 if (k == 0 and turn >= 1) else 0.01)
+    engine = LatencyEngine(fmt, LOOKS, latency=lambda k, turn: 1.5 if (k == 0 and turn == 1) else 0.01)
     (rounds_group,), rounds_trace = _play(engine, fmt, game, "rounds")
     assert _first(rounds_trace, "request", 1, 2) > _first(rounds_trace, "completion", 0, 1)
     assert rounds_group.trajectories == group.trajectories  # and the trajectories are the same
