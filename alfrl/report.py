@@ -57,8 +57,10 @@ def common_games(loaded: list[tuple[str, dict, list[dict]]]) -> tuple[list[tuple
     if not common:
         raise SystemExit(f"alfrl report: no game was played by every run ({counts} games): compare evaluations of the same "
                          "splits, or report them separately")
-    cut = [(name, summarize([g for g in games if g["game_id"] in common], summary.get("deterministic")),
-            [g for g in games if g["game_id"] in common]) for name, summary, games in loaded]
+    cut = []
+    for name, summary, games in loaded:
+        kept = [g for g in games if g["game_id"] in common]
+        cut.append((name, summarize(kept, summary.get("deterministic")), kept))
     return cut, (f"The runs played different games ({counts}): every table and chart below is over the {len(common)} "
                  "games all of them played.")
 

@@ -35,7 +35,7 @@ class PeriodicEval(L.Callback):
         self.last = summary
         if trainer.is_global_zero:
             config = {"source": "periodic_eval", "update": trainer.global_step, "limit_per_split": self.limit_per_split,
-                      "model_name": getattr(getattr(pl_module, "hparams", None), "model_name", None), "deterministic": deterministic}
+                      "model_name": pl_module.hparams.model_name, "deterministic": deterministic}
             write_results(Path(trainer.default_root_dir) / "evals" / f"update-{trainer.global_step:06d}.jsonl",
                           results_header(config, [r["game_id"] for r in records]), records, summary)
         metrics = {f"eval/{k}": float(v) for k, v in summary["overall"].items()}

@@ -19,6 +19,7 @@ def _record(split, task, won):
 class _Module:
     def __init__(self):
         self.logged = {}
+        self.hparams = SimpleNamespace(model_name="tiny")
 
     def log_dict(self, metrics, **kwargs):
         self.logged.update(metrics)
@@ -38,7 +39,7 @@ def test_success_per_task_type_pools_the_splits_and_runs_only_every_n_steps_and_
     assert asked == [6]
     # the records, in alfrl eval's format: alfrl report reads them and knows the engine was not batch-invariant
     header, games, summary = read_results(tmp_path / "evals" / "update-000002.jsonl")
-    assert header["config"]["source"] == "periodic_eval" and header["config"]["update"] == 2
+    assert header["config"]["source"] == "periodic_eval" and header["config"]["update"] == 2 and header["config"]["model_name"] == "tiny"
     assert [g["game_id"] for g in games] == [r["game_id"] for r in records] == header["games"]
     assert summary == summarize(records, False) and summary["deterministic"] is False
     assert module.logged["eval/task/pick_two_obj_and_place/success_rate"] == pytest.approx(1 / 3)
