@@ -62,7 +62,10 @@ else
 fi
 ALFRL=("$PY" -m alfrl.cli)
 # the learning run's arm (issue "Learning at scale"): ARM=gigpo runs the GiGPO arm in runs/learn_gigpo (default: GRPO in runs/learn)
+# gigpo with mean_norm: its episode advantage in the reward's units, as grpo_mean's, so that the recipe's lr means the same step
+# in both arms (verl-agent's mean_std_norm divides by the group's std: ~2x the advantage at this reward's spread)
 LD=learn${ARM:+_$ARM}; ARM_ARGS=(); [ -n "${ARM:-}" ] && ARM_ARGS=(--data.advantage.estimator "$ARM")
+[ "${ARM:-}" = gigpo ] && ARM_ARGS+=(--data.advantage.norm mean_norm)
 GGUF_SHA=cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046   # ../shared/gpu-offline/fetch-model.sh
 
 setup() {  # the kit and the games; then, once every model piece is staged, the model converted beside the expert plans
