@@ -15,8 +15,10 @@
 #   bash bench/lease.sh stage .gpu-adapters/R/pieces/adapter.part00 .gpu-adapters/R/adapter_config.json .gpu-adapters/R/adapter.sha256
 #                                                # then part01, part02, before `start`: the warm start is that adapter, no sft
 #   bash bench/lease.sh stage .gpu-resume/R/trainer.ckpt.part00 .gpu-resume/R/step .gpu-resume/R/trainer.ckpt.sha256
-#                                                # then the other parts (4 a call), before `start`: `learn` resumes from that
-#                                                # checkpoint (--ckpt_path); an earlier lease shipped it as e_learn_step-N_trainer.ckpt
+#                                                # then the other parts (4 a call), before `start`: the arm whose run folder R's
+#                                                # name starts with (learn_step10: GRPO, learn_gigpo_step10: GiGPO) resumes from
+#                                                # that checkpoint (--ckpt_path); an earlier lease shipped it as e_learn_step-N_trainer.ckpt
+#   UPTO=20 LANES="warmstart learn learn:gigpo" bash bench/lease.sh start   # both arms, each up to update 20, one after the other
 # .gpu-data holds json_2.1.1.tar.xz and expert.jsonl.gz with its .skipped.json (`alfrl expert --config
 # recipes/qwen15b_coder_h200.yaml`, begun on the CPU; the lease plays the games it did not reach).
 # LANES (default "warmstart evals fits learn"): warmstart: alfrl sft on every plan (adapter and plans shipped); evals: its
@@ -61,11 +63,15 @@ else
   EVAL=(--data.engine.gpu_memory_utilization 0.85 --data.env.num_workers 16); FIT=(--data.env.num_workers 16)
 fi
 ALFRL=("$PY" -m alfrl.cli)
-# the learning run's arm (issue "Learning at scale"): ARM=gigpo runs the GiGPO arm in runs/learn_gigpo (default: GRPO in runs/learn)
+# the learning run's arm (issue "Learning at scale"): ARM=gigpo runs the GiGPO arm in runs/learn_gigpo (default: GRPO in runs/learn);
+# the lane `learn:gigpo` in LANES runs that arm whatever ARM says (LANES="warmstart learn learn:gigpo": both, one after the other)
 # gigpo with mean_norm: its episode advantage in the reward's units, as grpo_mean's, so that the recipe's lr means the same step
 # in both arms (verl-agent's mean_std_norm divides by the group's std: ~2x the advantage at this reward's spread)
-LD=learn${ARM:+_$ARM}; ARM_ARGS=(); [ -n "${ARM:-}" ] && ARM_ARGS=(--data.advantage.estimator "$ARM")
-[ "${ARM:-}" = gigpo ] && ARM_ARGS+=(--data.advantage.norm mean_norm)
+set_arm() {
+  ARM=${1:-}; LD=learn${ARM:+_$ARM}; ARM_ARGS=(); [ -n "$ARM" ] && ARM_ARGS=(--data.advantage.estimator "$ARM")
+  [ "$ARM" = gigpo ] && ARM_ARGS+=(--data.advantage.norm mean_norm); true
+}
+ARM0=${ARM:-}; set_arm "$ARM0"
 GGUF_SHA=cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046   # ../shared/gpu-offline/fetch-model.sh
 
 setup() {  # the kit and the games; then, once every model piece is staged, the model converted beside the expert plans
@@ -168,23 +174,26 @@ recipefit() {  # 3 updates of recipes/qwen15b_coder_h200.yaml as it stands (16,3
   cp "$RUN/recipefit"/csv/version_0/metrics.csv "$W/results/recipefit.metrics.csv" 2>/dev/null; true
 }
 
-learn() {  # the learning run, stopped by max_time; resumed from a staged trainer.ckpt if one was staged (`stage .gpu-resume/...`)
+learn() {  # the learning run, stopped by max_time (or at update UPTO); resumed from a staged trainer.ckpt of its arm if one was
+  # staged (`stage .gpu-resume/${LD}_stepN/...`: the folder's name starts with the run's folder, learn_step10 or learn_gigpo_step10)
   local reserve=0; case " $LANES " in *" learneval "*) reserve=${EVAL_RESERVE_S:-300} ;; esac
   local left=$(( ${UNTIL:-0} - $(date +%s) - 100 - reserve ))   # one update and a save after the time is up
-  [ "$left" -ge 150 ] || { log "learn: $left s left, not started"; return 0; }
-  local resume=()
-  if [ -d /tmp/resume-stage ]; then  # a checkpoint brought back by an earlier lease: the run goes on with --ckpt_path
-    local step; step=$RUN/$LD/checkpoints/$(cat /tmp/resume-stage/step) || return 1
-    mkdir -p "$step" && cat /tmp/resume-stage/trainer.ckpt.part* > "$step/trainer.ckpt" && basename "$step" > "$RUN/$LD/checkpoints/last" || return 1
-    [ "$(sha256sum < "$step/trainer.ckpt" | cut -d' ' -f1)" = "$(cut -d' ' -f1 /tmp/resume-stage/trainer.ckpt.sha256)" ] \
+  [ "$left" -ge 150 ] || { log "$LD: $left s left, not started"; return 0; }
+  [ -f "$W/stop" ] && { log "$LD: stopped before it began (\`stop\`)"; return 0; }
+  local resume=() staged
+  staged=$(ls -d /tmp/resume-stage/"${LD}"_step* 2>/dev/null | head -1)
+  if [ -n "$staged" ]; then  # a checkpoint brought back by an earlier lease: the run goes on with --ckpt_path
+    local step; step=$RUN/$LD/checkpoints/$(cat "$staged/step") || return 1
+    mkdir -p "$step" && cat "$staged"/trainer.ckpt.part* > "$step/trainer.ckpt" && basename "$step" > "$RUN/$LD/checkpoints/last" || return 1
+    [ "$(sha256sum < "$step/trainer.ckpt" | cut -d' ' -f1)" = "$(cut -d' ' -f1 "$staged/trainer.ckpt.sha256")" ] \
       || { log "the staged checkpoint's checksum does not match"; return 1; }
-    resume=(--ckpt_path "$step/trainer.ckpt"); log "learn: resuming from $(basename "$step")"
+    resume=(--ckpt_path "$step/trainer.ckpt"); log "$LD: resuming from $(basename "$step")"
   fi
   # the trainer's free memory in one piece (the recipe's header: 8,192-token rows ran out of memory on an H100 without it)
-  timed learn env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "${ALFRL[@]}" fit --config "$LEARN" "${MODEL[@]}" \
+  timed "$LD" env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "${ALFRL[@]}" fit --config "$LEARN" "${MODEL[@]}" \
     --model.init_adapter "$RUN/sft/checkpoints/last" "${FIT[@]}" "${resume[@]}" \
     --trainer.max_time "$(printf '00:%02d:%02d:%02d' $(( left / 3600 )) $(( left / 60 % 60 )) $(( left % 60 )))" \
-    --trainer.default_root_dir "$RUN/$LD" "${ARM_ARGS[@]}"
+    --trainer.default_root_dir "$RUN/$LD" "${ARM_ARGS[@]}" ${UPTO:+--trainer.max_steps $UPTO}
   cat "$RUN/$LD"/csv/version_*/metrics.csv > "$W/results/$LD.metrics.csv" 2>/dev/null
   [ -d "$RUN/$LD/evals" ] && tar -czf "$W/results/${LD}_evals.tgz" -C "$RUN/$LD" evals   # the periodic evaluations' games (alfrl report pairs them)
   local last; last=$(last_step "$RUN/$LD/checkpoints") && log "learn: last checkpoint $last" || return 1
@@ -224,22 +233,26 @@ case "${1:-}" in
       *gpu-model*) mkdir -p /tmp/model-stage && cp "$2"/qwen.gguf.part* /tmp/model-stage/ ;;
       *gpu-data*) mkdir -p /tmp/gpu-data && cp -r "$2"/. /tmp/gpu-data/ ;;
       *gpu-adapters*) mkdir -p /tmp/adapter-stage && cp "${@:2}" /tmp/adapter-stage/ ;;  # stage PIECE [CONFIG SHA256]
-      *gpu-resume*) mkdir -p /tmp/resume-stage && cp "${@:2}" /tmp/resume-stage/ ;;  # stage trainer.ckpt.partNN [step trainer.ckpt.sha256]
+      *gpu-resume*) local_dir=/tmp/resume-stage/$(basename "$(dirname "$2")")   # stage .gpu-resume/R/trainer.ckpt.partNN [R/step R/trainer.ckpt.sha256]
+        mkdir -p "$local_dir" && cp "${@:2}" "$local_dir/" ;;
       *) echo "stage: give .gpu-kit/cNN, .gpu-model/mNN, .gpu-data, .gpu-adapters/RUN/pieces/adapter.partNN [...] or .gpu-resume/RUN/..." >&2; exit 2 ;;
     esac && log "staged $2" ;;
   start)  # the job runs from a copy of the checkout: a later call's checkout (edited meanwhile) does not reach it
-    rm -f "$W/done"; rm -rf "$W/repo" && mkdir -p "$W/repo" && tar -c --exclude=./.git --exclude='./.gpu-*' --exclude=./.venv --exclude=./.cache \
+    rm -f "$W/done" "$W/stop"; rm -rf "$W/repo" && mkdir -p "$W/repo" && tar -c --exclude=./.git --exclude='./.gpu-*' --exclude=./.venv --exclude=./.cache \
       --exclude=./runs . | tar -x -C "$W/repo" && cp "$0" "$W/lease.sh" || exit 1
     [ "$DRY" = 1 ] && ln -s "$REPO/.venv" "$W/repo/.venv"
-    ALFRL_REPO=$W/repo ALFRL_GPU_WORK=$W LANES="$LANES" DRY=$DRY SFT_STEPS=${SFT_STEPS:-} EVALS="${EVALS:-}" FITS="${FITS:-}" ARM="${ARM:-}" EVAL_RESERVE_S=${EVAL_RESERVE_S:-300} UNTIL=$(( $(date +%s) + ${UNTIL_S:-1380} )) \
+    ALFRL_REPO=$W/repo ALFRL_GPU_WORK=$W LANES="$LANES" DRY=$DRY SFT_STEPS=${SFT_STEPS:-} EVALS="${EVALS:-}" FITS="${FITS:-}" ARM="${ARM:-}" UPTO=${UPTO:-} EVAL_RESERVE_S=${EVAL_RESERVE_S:-300} UNTIL=$(( $(date +%s) + ${UNTIL_S:-1380} )) \
       setsid nohup bash "$W/lease.sh" _run > "$W/logs/job.log" 2>&1 < /dev/null &
     log "started: $LANES" ;;
   _run)
     # a second `start` on a machine already set up (its wheels installed, the model converted) runs only the lanes
-    if [ -f "$W/setup.done" ] || { setup && touch "$W/setup.done"; }; then for lane in $LANES; do "$lane" || log "$lane failed"; done; fi
+    if [ -f "$W/setup.done" ] || { setup && touch "$W/setup.done"; }; then for lane in $LANES; do
+      case $lane in learn:*) set_arm "${lane#learn:}"; lane=learn ;; learn) set_arm "$ARM0" ;; esac
+      "$lane" || log "$lane failed"
+    done; fi
     touch "$W/done"; log "done" ;;
   stop)  # the running fit ends (Lightning's SIGTERM; on 2026-12-06 it finished its periodic evaluation first); its lane ships the newest saved checkpoint
-    pkill -TERM -f "[a]lfrl.cli fit" && log "stop: SIGTERM to the fit" ;;
+    touch "$W/stop"; pkill -TERM -f "[a]lfrl.cli fit" && log "stop: SIGTERM to the fit" ;;   # and no later learn lane starts
   send) send "${2:-4}"; pack ;;
   wait)
     end=$(( $(date +%s) + ${2:-540} ))
