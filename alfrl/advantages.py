@@ -221,35 +221,31 @@ class AdvantageResult:
     samples: list[Sample]
     degenerate_groups: int
     dropped_groups: int
+    abs_advantage_mean: float = 0.0
+    """Mean |advantage| over the turns of the groups kept for training (each sampled token of a turn has its turn's)."""
 
 
-def group_samples(g_index: int, group: TrajectoryGroup, cfg: AdvantageConfig, reward: RewardConfig,
-                  history_length: int = 2) -> tuple[list[Sample], bool, bool]:
-    """One group's training samples, whether it is degenerate and whether it was dropped (``make_samples``' rules;
-    the update of finished groups during a rollout calls it per group as each finishes).
+def make_samples(groups: list[TrajectoryGroup], cfg: AdvantageConfig, reward: RewardConfig, history_length: int = 2) -> AdvantageResult:
+    """Training samples of every playable group, degenerate groups dropped when configured.
 
     Trajectories that ended with ``env_error`` are left out (the crash was not the policy's doing)
     and the group's advantages use the others; a group with fewer than two left is skipped.
     """
-    trajs = [t for t in group.trajectories if t.stop_reason != "env_error"]
-    if group.failed is not None or len(trajs) < 2:
-        return [], False, False
-    advantages = group_advantages(trajs, cfg, reward, history_length)
-    degenerate = all(a == 0.0 for row in advantages for a in row)
-    if degenerate and cfg.drop_degenerate_groups:
-        return [], True, True
-    samples = [sample_of(seq, turn_adv, g_index, traj.index) for traj, turn_adv in zip(trajs, advantages)
-               for seq in traj.sequences if seq.spans]
-    return samples, degenerate, False
-
-
-def make_samples(groups: list[TrajectoryGroup], cfg: AdvantageConfig, reward: RewardConfig, history_length: int = 2) -> AdvantageResult:
-    """Training samples of every playable group (degenerate groups dropped when configured; ``group_samples``)."""
     samples: list[Sample] = []
-    degenerate = dropped = 0
+    degenerate = dropped = turns = 0
+    abs_sum = 0.0
     for g_index, group in enumerate(groups):
-        some, is_degenerate, is_dropped = group_samples(g_index, group, cfg, reward, history_length)
-        samples.extend(some)
-        degenerate += is_degenerate
-        dropped += is_dropped
-    return AdvantageResult(samples, degenerate, dropped)
+        trajs = [t for t in group.trajectories if t.stop_reason != "env_error"]
+        if group.failed is not None or len(trajs) < 2:
+            continue
+        advantages = group_advantages(trajs, cfg, reward, history_length)
+        if all(a == 0.0 for row in advantages for a in row):
+            degenerate += 1
+            if cfg.drop_degenerate_groups:
+                dropped += 1
+                continue
+        abs_sum += sum(abs(a) for row in advantages for a in row)
+        turns += sum(len(row) for row in advantages)
+        samples += [sample_of(seq, turn_adv, g_index, traj.index) for traj, turn_adv in zip(trajs, advantages)
+                    for seq in traj.sequences if seq.spans]
+    return AdvantageResult(samples, degenerate, dropped, abs_sum / max(turns, 1))

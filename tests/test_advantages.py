@@ -36,6 +36,18 @@ def test_eight_equal_minus_point_one_rewards_are_a_degenerate_group():
     assert len(result.samples) == 8 and {s.group for s in result.samples} == {1}
 
 
+
+def test_the_mean_absolute_advantage_counts_the_turns_of_the_groups_kept():
+    # group 0 degenerate and dropped; group 1: one win (+7/8 on each of its 3 turns) and seven losses (-1/8 on each)
+    lost = _group([(False, 1)] * 8)
+    mixed = _group([(True, 0)] + [(False, 0)] * 7)
+    result = make_samples([lost, mixed], AdvantageConfig("grpo_mean"), EPISODE)
+    assert result.abs_advantage_mean == pytest.approx((7 / 8 + 7 * (1 / 8)) / 8)
+    assert make_samples([lost], AdvantageConfig("grpo_mean"), EPISODE).abs_advantage_mean == 0.0  # nothing kept
+    kept = make_samples([lost], AdvantageConfig("grpo_mean", drop_degenerate_groups=False), EPISODE)
+    assert kept.degenerate_groups == 1 and kept.dropped_groups == 0 and kept.abs_advantage_mean == 0.0
+
+
 @pytest.mark.parametrize("estimator", ["grpo_mean", "grpo_std", "gigpo", "hgpo"])
 def test_every_all_equal_reward_count_is_degenerate(estimator):
     # K = 8, every trajectory lost with k invalid actions (k = 0..30): all-equal rewards, equal returns per state
@@ -89,3 +101,18 @@ def test_hgpo_level_with_equal_returns_is_dropped_even_when_the_floats_disagree(
     returns = [[-0.1, 0.0], [-0.1, 0.0], [-0.1, 1.0]]
     adv = hgpo_step_advantages(anchors, returns, AdvantageConfig("hgpo", hgpo_alpha=1.0), 1)
     assert adv[0][0] == 0.0 and adv[1][0] == 0.0 and adv[2][0] == 0.0
+
+
+def test_the_repeated_state_share_counts_the_turns_in_gigpo_step_groups_of_two_or_more():
+    from alfrl.rollout import rollout_metrics
+
+    one = TrajectoryGroup(game=GAME, trajectories=(_traj(["a", "b", "c"], True, [False] * 3, 0), _traj(["a", "d", "c"], False, [False] * 3, 1)))
+    other = TrajectoryGroup(game=GAME, trajectories=(_traj(["c", "e"], False, [False] * 2, 0), _traj(["f"], False, [False], 1)))
+    # a and c twice in the first group (4 of its 6 turns); the second group's c is not the first group's: nothing repeats there
+    assert rollout_metrics([one, other])["rollout/repeated_state_share"] == pytest.approx(4 / 9)
+    adv = group_advantages(list(one.trajectories), AdvantageConfig("gigpo", norm="mean_norm"), EPISODE)
+    episode = group_advantages(list(one.trajectories), AdvantageConfig("gigpo", norm="mean_norm", step_weight=0.0), EPISODE)
+    steps = [[a - e for a, e in zip(row, erow)] for row, erow in zip(adv, episode)]
+    assert steps[0][1] == 0.0 and steps[1][1] == 0.0  # b and d: singleton step groups, no step advantage
+    assert steps[0][0] != 0.0 and steps[0][2] != 0.0  # a and c: step groups of two with different returns
+
