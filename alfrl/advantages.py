@@ -123,13 +123,19 @@ def _returns(trajs: list[Trajectory], reward: RewardConfig) -> list[list[float]]
     return out
 
 
-def _gigpo_step_advantages(trajs: list[Trajectory], returns: list[list[float]], cfg: AdvantageConfig) -> list[list[float]]:
+def state_groups(trajs: list[Trajectory]) -> list[list[tuple[int, int]]]:
+    """GiGPO's step groups of one trajectory group: the (trajectory, turn) pairs that stood in the same environment state
+    (observation and admissible actions)."""
     members: dict[str, list[tuple[int, int]]] = defaultdict(list)
     for i, t in enumerate(trajs):
         for s, turn in enumerate(t.turns):
             members[turn.state_key].append((i, s))
+    return list(members.values())
+
+
+def _gigpo_step_advantages(trajs: list[Trajectory], returns: list[list[float]], cfg: AdvantageConfig) -> list[list[float]]:
     out = [[0.0] * len(t.turns) for t in trajs]
-    for steps in members.values():
+    for steps in state_groups(trajs):
         values = normalise([returns[i][s] for i, s in steps], cfg.norm, cfg.eps, cfg.std_kind)
         for (i, s), v in zip(steps, values):
             out[i][s] = v
@@ -223,6 +229,14 @@ class AdvantageResult:
     dropped_groups: int
     abs_advantage_mean: float = 0.0
     """Mean |advantage| over the turns of the groups kept for training (each sampled token of a turn has its turn's)."""
+    repeated_state_share: float = 0.0
+    """Of the scored groups' turns, the share in a step group of two or more (``state_groups``): the only turns GiGPO gives
+    a step advantage. A property of the rollout, measured for every estimator so that the arms compare."""
+
+    def metrics(self) -> dict[str, float]:
+        """The ``rollout/`` metrics of what the samples left out and of their advantages."""
+        return {"rollout/degenerate_groups": float(self.degenerate_groups), "rollout/dropped_groups": float(self.dropped_groups),
+                "rollout/abs_advantage_mean": self.abs_advantage_mean, "rollout/repeated_state_share": self.repeated_state_share}
 
 
 def make_samples(groups: list[TrajectoryGroup], cfg: AdvantageConfig, reward: RewardConfig, history_length: int = 2) -> AdvantageResult:
@@ -232,12 +246,14 @@ def make_samples(groups: list[TrajectoryGroup], cfg: AdvantageConfig, reward: Re
     and the group's advantages use the others; a group with fewer than two left is skipped.
     """
     samples: list[Sample] = []
-    degenerate = dropped = turns = 0
+    degenerate = dropped = turns = scored_turns = repeated = 0
     abs_sum = 0.0
     for g_index, group in enumerate(groups):
         trajs = [t for t in group.trajectories if t.stop_reason != "env_error"]
         if group.failed is not None or len(trajs) < 2:
             continue
+        scored_turns += sum(len(t.turns) for t in trajs)
+        repeated += sum(len(steps) for steps in state_groups(trajs) if len(steps) > 1)
         advantages = group_advantages(trajs, cfg, reward, history_length)
         if all(a == 0.0 for row in advantages for a in row):
             degenerate += 1
@@ -248,4 +264,4 @@ def make_samples(groups: list[TrajectoryGroup], cfg: AdvantageConfig, reward: Re
         turns += sum(len(row) for row in advantages)
         samples += [sample_of(seq, turn_adv, g_index, traj.index) for traj, turn_adv in zip(trajs, advantages)
                     for seq in traj.sequences if seq.spans]
-    return AdvantageResult(samples, degenerate, dropped, abs_sum / max(turns, 1))
+    return AdvantageResult(samples, degenerate, dropped, abs_sum / max(turns, 1), repeated / max(scored_turns, 1))

@@ -401,8 +401,7 @@ class AlfrlPolicy(L.LightningModule):
             update["memory_guard_seconds"] = self.guard.seconds
         self.weight_version += 1
         sync = self.sampler.sync(self, self.sync_check, canary=self.global_step == self.canary_at_step)  # 5 sync
-        rollout_metrics = reduce_metrics(rollout.metrics(samples.degenerate_groups, samples.dropped_groups, samples.abs_advantage_mean),
-                                         rollout.groups, self.trainer)  # 6 metrics
+        rollout_metrics = reduce_metrics({**rollout.metrics(), **samples.metrics()}, rollout.groups, self.trainer)  # 6 metrics
         metrics = {**rollout_metrics, **probe, **{f"train/{k}": v for k, v in update.items()}, **sync,
                    "step/seconds": time.perf_counter() - started}
         if step.rollouts_file:

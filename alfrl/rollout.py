@@ -23,7 +23,6 @@ import logging
 import statistics
 import time
 import zlib
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -532,14 +531,6 @@ def completion_tokens(t: Trajectory) -> int:
     return sum(turn.completion_tokens for turn in t.turns)
 
 
-def _repeated_state_turns(groups: list[TrajectoryGroup]) -> int:
-    total = 0
-    for g in groups:
-        counts = Counter(u.state_key for t in g.trajectories for u in t.turns)
-        total += sum(c for c in counts.values() if c > 1)
-    return total
-
-
 def rollout_metrics(groups: list[TrajectoryGroup], prefix: str = "rollout/") -> dict[str, float]:
     """Reward, success, invalid actions, steps and stop reasons over all trajectories."""
     trajs = [t for g in groups for t in g.trajectories]
@@ -559,9 +550,6 @@ def rollout_metrics(groups: list[TrajectoryGroup], prefix: str = "rollout/") -> 
         "valid_turn_tokens_max": float(max((u.completion_tokens for u in turns if u.valid_format), default=0)),
         "trajectories": float(len(trajs)),
         "failed_groups": float(sum(g.failed is not None for g in groups)),
-        # turns whose state (observation and admissible actions) another turn of its group stood in too: the turns in a
-        # GiGPO step group of two or more, which alone get a step advantage (a property of the rollout, logged for any estimator)
-        "repeated_state_share": _repeated_state_turns(groups) / max(len(turns), 1),
     }
     for reason in STOP_REASONS:
         metrics[f"stop/{reason}"] = sum(t.stop_reason == reason for t in trajs) / n

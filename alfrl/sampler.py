@@ -49,14 +49,10 @@ class RolloutResult:
     """Prompt / cached prompt / generated tokens of this rollout."""
     stats: RolloutStats
 
-    def metrics(self, degenerate_groups: int = 0, dropped_groups: int = 0, abs_advantage_mean: float = 0.0) -> dict[str, float]:
-        """This rollout's ``rollout/`` and ``tokens/`` metrics (this rank's), with the groups its samples left out and the
-        mean |advantage| of the turns they train."""
+    def metrics(self) -> dict[str, float]:
+        """This rollout's ``rollout/`` and ``tokens/`` metrics (this rank's; its samples' own: ``AdvantageResult.metrics``)."""
         stats = self.stats
         metrics = rollout_metrics(self.groups)
-        metrics["rollout/degenerate_groups"] = float(degenerate_groups)
-        metrics["rollout/dropped_groups"] = float(dropped_groups)
-        metrics["rollout/abs_advantage_mean"] = abs_advantage_mean
         metrics["rollout/seconds"] = stats.seconds
         metrics["tokens/prompt"] = float(self.counters.prompt_tokens)
         metrics["tokens/cached_prompt"] = float(self.counters.cached_prompt_tokens)

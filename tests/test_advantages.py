@@ -36,7 +36,6 @@ def test_eight_equal_minus_point_one_rewards_are_a_degenerate_group():
     assert len(result.samples) == 8 and {s.group for s in result.samples} == {1}
 
 
-
 def test_the_mean_absolute_advantage_counts_the_turns_of_the_groups_kept():
     # group 0 degenerate and dropped; group 1: one win (+7/8 on each of its 3 turns) and seven losses (-1/8 on each)
     lost = _group([(False, 1)] * 8)
@@ -104,15 +103,14 @@ def test_hgpo_level_with_equal_returns_is_dropped_even_when_the_floats_disagree(
 
 
 def test_the_repeated_state_share_counts_the_turns_in_gigpo_step_groups_of_two_or_more():
-    from alfrl.rollout import rollout_metrics
-
     one = TrajectoryGroup(game=GAME, trajectories=(_traj(["a", "b", "c"], True, [False] * 3, 0), _traj(["a", "d", "c"], False, [False] * 3, 1)))
     other = TrajectoryGroup(game=GAME, trajectories=(_traj(["c", "e"], False, [False] * 2, 0), _traj(["f"], False, [False], 1)))
     # a and c twice in the first group (4 of its 6 turns); the second group's c is not the first group's: nothing repeats there
-    assert rollout_metrics([one, other])["rollout/repeated_state_share"] == pytest.approx(4 / 9)
+    result = make_samples([one, other], AdvantageConfig("grpo_mean"), EPISODE)
+    assert result.repeated_state_share == pytest.approx(4 / 9)  # every scored group counts, the degenerate second one too
+    assert result.metrics()["rollout/repeated_state_share"] == result.repeated_state_share and result.dropped_groups == 1
     adv = group_advantages(list(one.trajectories), AdvantageConfig("gigpo", norm="mean_norm"), EPISODE)
     episode = group_advantages(list(one.trajectories), AdvantageConfig("gigpo", norm="mean_norm", step_weight=0.0), EPISODE)
     steps = [[a - e for a, e in zip(row, erow)] for row, erow in zip(adv, episode)]
     assert steps[0][1] == 0.0 and steps[1][1] == 0.0  # b and d: singleton step groups, no step advantage
     assert steps[0][0] != 0.0 and steps[0][2] != 0.0  # a and c: step groups of two with different returns
-
