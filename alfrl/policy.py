@@ -318,6 +318,19 @@ class AlfrlPolicy(L.LightningModule):
         self.weight_version = checkpoint.get("weight_version", 0)
 
     # ------------------------------------------------------------ log-probs
+    def throughput(self, sequence_tokens: int, trained_tokens: int, seconds: float, passes: int = 1,
+                   scored: bool = False) -> dict[str, float]:
+        """A training pass's model TFLOP/s (6N, ``alfrl.models.update_flops``: the body on every sequence token, the output
+        layer on the trained ones) and ``mfu``, over the GPU's dense bf16 peak where it is known."""
+        from alfrl.models import parameter_counts, peak_bf16_tflops, update_flops
+
+        self._flop_counts = self._flop_counts or parameter_counts(self.model)
+        flops = update_flops(*self._flop_counts, sequence_tokens, trained_tokens, passes,
+                             bool(self.hparams.gradient_checkpointing), scored)
+        out = {"model_tflops": flops / max(seconds, 1e-9) / 1e12}
+        peak = peak_bf16_tflops(torch.cuda.get_device_name(self.device)) if self.device.type == "cuda" else None
+        return {**out, "mfu": out["model_tflops"] / peak} if peak else out
+
     def microbatches(self, samples: list[Sample], idx: list[int]) -> list[MicroBatch]:
         rows = pack_microbatches([len(samples[i]) for i in idx], self.ppo.microbatch_tokens, pack=self.packable)
         return [collate(samples, [idx[j] for j in row], self.device) for row in rows]

@@ -223,17 +223,6 @@ class UpdateStart:
         return {"peak_memory_gib": peak, "update_added_memory_gib": peak - self.memory_before}
 
 
-def _throughput(policy, samples: list[Sample], old: list[torch.Tensor], seconds: float) -> dict[str, float]:
-    """The update's model TFLOP/s (6N, ``alfrl.models.update_flops``), and over the GPU's bf16 peak where it is known."""
-    from alfrl.models import parameter_counts, peak_bf16_tflops, update_flops
-
-    policy._flop_counts = policy._flop_counts or parameter_counts(policy.model)
-    flops = update_flops(*policy._flop_counts, sum(len(s) for s in samples), sum(int(o.numel()) for o in old), policy.ppo.epochs,
-                         bool(policy.hparams.gradient_checkpointing), policy.ppo.old_logprobs == "recompute")
-    out = {"model_tflops": flops / max(seconds, 1e-9) / 1e12}
-    peak = peak_bf16_tflops(torch.cuda.get_device_name(policy.device)) if policy.device.type == "cuda" else None
-    return {**out, "mfu": out["model_tflops"] / peak} if peak else out
-
 def ppo_update(policy, optimizer, samples: list[Sample], temperature: float = 1.0) -> dict[str, float]:
     """PPO-clip epochs over ``samples`` on ``policy``'s LoRA, stepping ``optimizer``; returns the update's statistics.
 
@@ -279,7 +268,8 @@ def ppo_update(policy, optimizer, samples: list[Sample], temperature: float = 1.
         "prepare_seconds": start.prepare_seconds,
         "old_logprob_seconds": old_seconds,
         "update_seconds": seconds - old_seconds,
-        **_throughput(policy, samples, old, seconds),
+        **policy.throughput(sum(len(s) for s in samples), sum(int(o.numel()) for o in old), seconds, ppo.epochs,
+                            scored=ppo.old_logprobs == "recompute"),
         "sequence_tokens": float(sum(len(s) for s in samples)),
         **start.memory(),
         "skipped_steps": float(policy.skipped_steps),

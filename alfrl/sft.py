@@ -179,8 +179,9 @@ class SFTPolicy(AlfrlPolicy):
         optimizer.zero_grad(set_to_none=True)
         seconds = time.perf_counter() - started
         tokens = sum(len(s) for s in batch.samples)
+        speed = {f"sft/{k}": v for k, v in self.throughput(tokens, n_tok, seconds).items()}  # model_tflops, mfu (6N)
         self.log_dict({"sft/loss": loss_sum * world, "sft/grad_norm": grad_norm, "sft/skipped_steps": float(self.skipped_steps), "sft/trained_tokens": float(n_tok),
-                       "sft/sequence_tokens": float(tokens), "sft/seconds": seconds, "sft/tokens_per_second": tokens / max(seconds, 1e-9)},
+                       "sft/sequence_tokens": float(tokens), "sft/seconds": seconds, "sft/tokens_per_second": tokens / max(seconds, 1e-9), **speed},
                       on_step=True, batch_size=1)
         self.log("sft/nll", loss_sum * world, on_step=True, prog_bar=True, batch_size=1)
 

@@ -196,7 +196,7 @@ learn() {  # the learning run, stopped by max_time (or at update UPTO); resumed 
     --trainer.default_root_dir "$RUN/$LD" "${ARM_ARGS[@]}" ${UPTO:+--trainer.max_steps $UPTO}
   cat "$RUN/$LD"/csv/version_*/metrics.csv > "$W/results/$LD.metrics.csv" 2>/dev/null
   [ -d "$RUN/$LD/evals" ] && tar -czf "$W/results/${LD}_evals.tgz" -C "$RUN/$LD" evals   # the periodic evaluations' games (alfrl report pairs them)
-  local last; last=$(last_step "$RUN/$LD/checkpoints") && log "learn: last checkpoint $last" || return 1
+  local last; last=$(last_step "$RUN/$LD/checkpoints") && log "$LD: last checkpoint $last" || return 1
   cp "$last/adapter/adapter_config.json" "$W/results/${LD}_adapter_config.json" 2>/dev/null
   basename "$last" > "$W/results/${LD}_last_step"
   ship "$last/trainer.ckpt" "e_${LD}_$(basename "$last")_trainer.ckpt"   # the next lease resumes from it (the adapter is in it)

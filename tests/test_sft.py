@@ -1,5 +1,6 @@
 """The warm start: expert plans replayed through the protocol, SFT on their assistant tokens, RL from it."""
 
+import csv
 import json
 import os
 import subprocess
@@ -14,6 +15,7 @@ from alfrl.chat import chat_format
 from alfrl.envs import EnvPool
 from alfrl.expert import ExpertEngine, read_expert, replay
 from alfrl.games import discover_games, shuffled
+from alfrl.models import parameter_counts, update_flops
 from alfrl.policy import AlfrlPolicy, LoRAConfig
 from alfrl.rewards import RewardConfig
 from alfrl.rollout import RolloutConfig, RolloutRunner
@@ -119,7 +121,7 @@ def test_sft_lowers_held_out_loss_and_rl_starts_from_its_adapter(expert, tmp_pat
     env = dict(os.environ, ALFWORLD_DATA=data_dir)
     root = tmp_path / "sft"
     cmd = [sys.executable, "-m", "alfrl.cli", "sft", "--config", "recipes/sft_tiny.yaml", "--data.expert_file", str(out),
-           "--model.model_name", tiny_model_dir, "--trainer.default_root_dir", str(root), "--trainer.logger", "false",
+           "--model.model_name", tiny_model_dir, "--trainer.default_root_dir", str(root),
            "--trainer.max_steps", "8", "--data.tokens_per_step", "6000"]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -136,6 +138,13 @@ def test_sft_lowers_held_out_loss_and_rl_starts_from_its_adapter(expert, tmp_pat
     with torch.no_grad():
         (b_sum, n), (w_sum, m) = base.nll(dm.val_samples), warm.nll(dm.val_samples)
     assert n == m and float(w_sum) / m < float(b_sum) / n - 0.05
+    # each step's model TFLOP/s by 6N, as the PPO update's (no MFU on a device without a known peak)
+    body, head = parameter_counts(base.model)
+    rows = [r for r in csv.DictReader(open(root / "csv" / "version_0" / "metrics.csv")) if r.get("sft/model_tflops")]
+    assert len(rows) == 8 and "sft/mfu" not in rows[0]
+    for r in rows:
+        flops = update_flops(body, head, float(r["sft/sequence_tokens"]), float(r["sft/trained_tokens"]))
+        assert float(r["sft/model_tflops"]) * float(r["sft/seconds"]) * 1e12 == pytest.approx(flops, rel=1e-3)
     # an RL run starts from that adapter
     rl = tmp_path / "rl"  # in this process (a process start costs ~9 s of imports)
     monkeypatch.setenv("ALFWORLD_DATA", data_dir)
