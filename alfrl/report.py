@@ -275,26 +275,34 @@ def _metric_files(sources: list[str]) -> list[Path]:
     return files
 
 
-def training_rows(sources: list[str], columns: dict[str, str] = TRAIN_COLUMNS) -> list[dict]:
-    """One row per update step from CSVLogger files (``RUN_DIR/**/metrics.csv`` or the files themselves): each of ``columns``
-    (name -> logged metric; None where not logged) and ``seconds_step``. ``columns`` must hold ``STEP_PARTS``."""
+def log_records(sources: list[str]) -> list[dict]:
+    """Every row of the CSVLogger files under ``sources`` (``RUN_DIR/**/metrics.csv`` or the files themselves), oldest
+    version first, so that a resumed run's rows come after (and replace) the ones it redid."""
     import csv
 
-    by_step: dict[int, dict] = {}
-    for f in _metric_files(sources):  # oldest first, so a resumed run's rows replace the ones it redid
+    records: list[dict] = []
+    for f in _metric_files(sources):
         with open(f, newline="") as fh:
-            for rec in csv.DictReader(fh):
-                if not rec.get("step") or not rec.get(TRAIN_COLUMNS["reward"]):
-                    continue
-                row = {"step": int(float(rec["step"]))}
-                for name, col in columns.items():
-                    value = rec.get(col)
-                    row[name] = float(value) if value not in (None, "") else None
-                parts = [row[k] for k in STEP_PARTS]
-                row["seconds_step"] = None if None in parts else sum(parts)
-                wall = row.get("seconds_wall")
-                row["seconds_other"] = None if wall is None or row["seconds_step"] is None else wall - row["seconds_step"]
-                by_step[row["step"]] = row
+            records += list(csv.DictReader(fh))
+    return records
+
+
+def training_rows(records: list[dict], columns: dict[str, str] = TRAIN_COLUMNS) -> list[dict]:
+    """One row per update step from a run's log records (``log_records``): each of ``columns`` (name -> logged metric;
+    None where not logged) and ``seconds_step``. ``columns`` must hold ``STEP_PARTS``."""
+    by_step: dict[int, dict] = {}
+    for rec in records:
+        if not rec.get("step") or not rec.get(TRAIN_COLUMNS["reward"]):
+            continue
+        row = {"step": int(float(rec["step"]))}
+        for name, col in columns.items():
+            value = rec.get(col)
+            row[name] = float(value) if value not in (None, "") else None
+        parts = [row[k] for k in STEP_PARTS]
+        row["seconds_step"] = None if None in parts else sum(parts)
+        wall = row.get("seconds_wall")
+        row["seconds_other"] = None if wall is None or row["seconds_step"] is None else wall - row["seconds_step"]
+        by_step[row["step"]] = row
     return [by_step[k] for k in sorted(by_step)]
 
 
@@ -303,24 +311,20 @@ EVAL_PREFIX = "eval/"
 and ``eval/task/<task type>/success_rate``, logged every ``periodic_eval.every_n_steps`` updates on the same games."""
 
 
-def eval_rows(sources: list[str]) -> list[dict]:
-    """One row per periodic evaluation in the run's CSV logs: ``update`` (the updates done before it) and every success
-    rate it logged, by name without the prefix (``success_rate``, ``valid_seen``, ``task/<type>``); a resumed run's row
-    wins for an update evaluated twice."""
-    import csv
-
+def eval_rows(records: list[dict]) -> list[dict]:
+    """One row per periodic evaluation in a run's log records (``log_records``): ``update`` (the updates done before it)
+    and every success rate it logged, by name without the prefix (``success_rate``, ``valid_seen``, ``task/<type>``); a
+    resumed run's row wins for an update evaluated twice."""
     by_update: dict[int, dict] = {}
-    for f in _metric_files(sources):
-        with open(f, newline="") as fh:
-            for rec in csv.DictReader(fh):
-                if not rec.get("step") or rec.get(f"{EVAL_PREFIX}success_rate") in (None, ""):
-                    continue
-                row: dict = {"update": int(float(rec["step"])) + 1}
-                for col, value in rec.items():
-                    if col and col.startswith(EVAL_PREFIX) and col.endswith("success_rate") and value not in (None, ""):
-                        name = col[len(EVAL_PREFIX):].removesuffix("/success_rate") or "success_rate"
-                        row[name] = float(value)
-                by_update[row["update"]] = row
+    for rec in records:
+        if not rec.get("step") or rec.get(f"{EVAL_PREFIX}success_rate") in (None, ""):
+            continue
+        row: dict = {"update": int(float(rec["step"])) + 1}
+        for col, value in rec.items():
+            if col and col.startswith(EVAL_PREFIX) and col.endswith("success_rate") and value not in (None, ""):
+                name = col[len(EVAL_PREFIX):].removesuffix("/success_rate") or "success_rate"
+                row[name] = float(value)
+        by_update[row["update"]] = row
     return [by_update[k] for k in sorted(by_update)]
 
 
@@ -453,9 +457,10 @@ def main(argv: list[str]) -> int:
     if cut:
         print(f"alfrl report: {cut}", file=sys.stderr)
     text = markdown(runs, cut) + (paired_markdown(loaded) if len(loaded) > 1 else "")
-    train_rows = training_rows(args.train_log) if args.train_log else []
+    records = log_records(args.train_log) if args.train_log else []
+    train_rows = training_rows(records)
     text += training_markdown(train_rows) if train_rows else ""
-    evals = eval_rows(args.train_log) if args.train_log else []
+    evals = eval_rows(records)
     text += eval_markdown(evals) if evals else ""
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -19,7 +19,7 @@ import statistics
 import sys
 from decimal import ROUND_DOWN, Decimal
 
-from alfrl.report import TRAIN_COLUMNS, training_rows
+from alfrl.report import TRAIN_COLUMNS, log_records, training_rows
 
 COLUMNS = (  # (metric, header, decimals)
     ("rollout/seconds", "rollout s", 2), ("train/update_seconds", "update after it s", 2),
@@ -43,7 +43,7 @@ def truncated(x: float, decimals: int) -> str:
 
 def updates(path: str) -> list[dict]:
     """Each logged update's ``COLUMNS`` (None where not logged) and ``seconds_step``, read as ``alfrl report`` reads them."""
-    rows = training_rows([path], {**TRAIN_COLUMNS, **{metric: metric for metric, _, _ in COLUMNS}})
+    rows = training_rows(log_records([path]), {**TRAIN_COLUMNS, **{metric: metric for metric, _, _ in COLUMNS}})
     return [r for r in rows if r["seconds_step"] is not None]
 
 

@@ -241,7 +241,7 @@ def test_report_warns_when_it_pairs_a_deterministic_evaluation_with_one_that_was
 def test_report_training_curves_merge_a_resumed_run(tmp_path):
     """Rows of both CSV versions, the resumed run's row winning for a step logged twice; the PNG is drawn."""
     from alfrl.report import main as report_main
-    from alfrl.report import training_rows
+    from alfrl.report import log_records, training_rows
 
     header = ("epoch,rollout/invalid_actions_mean,rollout/reward_mean,rollout/success_rate,rollout/trajectories,step,train/loss,"
               "rollout/seconds,train/update_seconds,sync/total_seconds,step/seconds\n")
@@ -251,7 +251,7 @@ def test_report_training_curves_merge_a_resumed_run(tmp_path):
     v1.mkdir(parents=True)
     (v0 / "metrics.csv").write_text(header + "0,3.0,-0.3,0.0,64,0,,20.0,6.0,0.5,\n0,,,,,0,0.5,,,,\n0,2.0,-0.1,0.125,64,1,,,,,\n")
     (v1 / "metrics.csv").write_text(header + "0,1.5,0.05,0.25,64,1,,30.0,1.0,0.5,32.0\n0,1.0,0.2,0.375,64,2,,16.0,5.0,0.5,22.25\n")
-    rows = training_rows([str(tmp_path / "run")])
+    rows = training_rows(log_records([str(tmp_path / "run")]))
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert [r["reward"] for r in rows] == [-0.3, 0.05, 0.2]
     assert [r["success"] for r in rows] == [0.0, 0.25, 0.375]
@@ -278,13 +278,13 @@ def test_report_training_curves_merge_a_resumed_run(tmp_path):
     assert "| update after the rollout | 4.00 | 1.00 | 6.00 |" in report
     assert (out / "training_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(SystemExit, match="no metrics.csv"):
-        training_rows([str(tmp_path / "report")])
+        training_rows(log_records([str(tmp_path / "report")]))
 
 
 def test_report_draws_the_periodic_evaluation_per_task_type_against_updates(tmp_path):
     """eval/ columns on the update's row (as Lightning's CSVLogger merges them): update = step + 1, a resumed run's
     evaluation wins, the table and the curves written; a run that never evaluated gets neither."""
-    from alfrl.report import eval_rows
+    from alfrl.report import eval_rows, log_records
     from alfrl.report import main as report_main
 
     header = ("step,rollout/reward_mean,eval/success_rate,eval/valid_seen/success_rate,eval/valid_unseen/success_rate,"
@@ -294,7 +294,7 @@ def test_report_draws_the_periodic_evaluation_per_task_type_against_updates(tmp_
         folder = tmp_path / "run" / "csv" / f"version_{version}"
         folder.mkdir(parents=True)
         (folder / "metrics.csv").write_text(header + body)
-    rows = eval_rows([str(tmp_path / "run")])
+    rows = eval_rows(log_records([str(tmp_path / "run")]))
     assert [r["update"] for r in rows] == [10, 20]
     assert rows[1] == {"update": 20, "success_rate": 0.45, "valid_seen": 0.5, "valid_unseen": 0.4,
                        "task/pick_and_place_simple": 1.0, "task/pick_two_obj_and_place": 0.5}
@@ -314,7 +314,7 @@ def test_report_draws_the_periodic_evaluation_per_task_type_against_updates(tmp_
     assert (out / "eval_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     (tmp_path / "plain").mkdir()
     (tmp_path / "plain" / "metrics.csv").write_text("step,rollout/reward_mean\n0,0.1\n")
-    assert eval_rows([str(tmp_path / "plain")]) == []
+    assert eval_rows(log_records([str(tmp_path / "plain")])) == []
 
 
 def test_identical_games_finds_each_games_first_different_turn():
