@@ -202,6 +202,11 @@ learn() {  # the learning run, stopped by max_time (or at update UPTO); resumed 
     [ "$(sha256sum < "$step/trainer.ckpt" | cut -d' ' -f1)" = "$(cut -d' ' -f1 "$staged/trainer.ckpt.sha256")" ] \
       || { log "the staged checkpoint's checksum does not match"; return 1; }
     resume=(--ckpt_path "$step/trainer.ckpt"); log "$LD: resuming from $(basename "$step")"
+    # Lightning's Timer goes on from the training time saved in the checkpoint (max_time counts over every resume: a
+    # resumed arm stopped after 2 updates on 2026-12-07): this process's time is added to it
+    local spent; spent=$("$PY" -c "import sys, torch; c = torch.load(sys.argv[1], map_location='cpu', weights_only=False)
+print(int(c.get('callbacks', {}).get('Timer', {}).get('time_elapsed', {}).get('train', 0)))" "$step/trainer.ckpt") || spent=0
+    log "$LD: ${spent} s of training time in the checkpoint"; left=$(( left + spent ))
   fi
   # the trainer's free memory in one piece (the recipe's header: 8,192-token rows ran out of memory on an H100 without it)
   timed "$LD" env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "${ALFRL[@]}" fit --config "$LEARN" "${MODEL[@]}" \
