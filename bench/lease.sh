@@ -17,7 +17,7 @@
 #   bash bench/lease.sh stage .gpu-cache            # before `start`, if an earlier lease shipped g_compile_cache.tgz (its pieces in .gpu-cache/): no engine compile
 #   bash bench/lease.sh stage .gpu-resume/R/trainer.ckpt.part00 .gpu-resume/R/step .gpu-resume/R/trainer.ckpt.sha256
 #                                                # then the other parts (4 a call), before `start`: the arm whose run folder R's
-#                                                # name starts with (learn_step10: GRPO, learn_gigpo_step10: GiGPO) resumes from
+#                                                # name starts with (learn_stepN: GRPO, learn_gigpo_stepN: GiGPO) resumes from
 #                                                # that checkpoint (--ckpt_path); an earlier lease shipped it as e_learn_step-N_trainer.ckpt
 #   UPTO=20 LANES="warmstart learn learn:gigpo" bash bench/lease.sh start   # both arms, each up to update 20, one after the other
 # .gpu-data holds json_2.1.1.tar.xz and expert.jsonl.gz with its .skipped.json (`alfrl expert --config
@@ -189,7 +189,7 @@ recipefit() {  # 3 updates of recipes/qwen15b_coder_h200.yaml as it stands (16,3
 }
 
 learn() {  # the learning run, stopped by max_time (or at update UPTO); resumed from a staged trainer.ckpt of its arm if one was
-  # staged (`stage .gpu-resume/${LD}_stepN/...`: the folder's name starts with the run's folder, learn_step10 or learn_gigpo_step10)
+  # staged (`stage .gpu-resume/${LD}_stepN/...`: the folder's name starts with the run's folder, learn_stepN or learn_gigpo_stepN)
   local reserve=0; case " $LANES " in *" learneval "*) reserve=${EVAL_RESERVE_S:-300} ;; esac
   local left=$(( ${UNTIL:-0} - $(date +%s) - 100 - reserve ))   # one update and a save after the time is up
   [ "$left" -ge 150 ] || { log "$LD: $left s left, not started"; return 0; }
