@@ -14,7 +14,7 @@
 #                                                # the shipping's minute and a margin; a second `start` skips the setup)
 #   bash bench/lease.sh stage .gpu-adapters/R/pieces/adapter.part00 .gpu-adapters/R/adapter_config.json .gpu-adapters/R/adapter.sha256
 #                                                # then part01, part02, before `start`: the warm start is that adapter, no sft
-#   bash bench/lease.sh stage .gpu-cache            # before `start`, if an earlier lease shipped g_compile_cache.tgz (its pieces in .gpu-cache/): no engine compile
+#   bash bench/lease.sh stage .gpu-cache            # before `start`, if an earlier lease shipped d_compile_cache.tgz (its pieces in .gpu-cache/): no engine compile
 #   bash bench/lease.sh stage .gpu-resume/R/trainer.ckpt.part00 .gpu-resume/R/step .gpu-resume/R/trainer.ckpt.sha256
 #                                                # then the other parts (4 a call), before `start`: the arm whose run folder R's
 #                                                # name starts with (learn_stepN: GRPO, learn_gigpo_stepN: GiGPO) resumes from
@@ -224,13 +224,14 @@ print(int(c.get('callbacks', {}).get('Timer', {}).get('time_elapsed', {}).get('t
 }
 
 ship_compile_cache() {  # vLLM's, inductor's and Triton's caches after the first learning process, when none was staged and they
-  # fit one staging call (56 MiB): the next lease stages them (`stage .gpu-cache`) and its engines skip the compile (30.01 s
-  # of a 75.45 s engine start on 2026-12-06h); shipped last, so only when the time allows
+  # fit one staging call (56 MiB), shipped before the checkpoints (6 MB on 2026-12-07): the next lease stages them
+  # (`stage .gpu-cache`) and its engines skip the compile (30.01 s
+  # of a 75.45 s engine start on 2026-12-06h; 5.49 s of 28.24 s on a machine that had compiled, 2026-12-07)
   [ -f "$W/cache.staged" ] || [ -f "$W/cache.shipped" ] || [ "$DRY" = 1 ] && return 0
   touch "$W/cache.shipped"
   tar -czf "$W/compile_cache.tgz" -C "$W" cache 2>/dev/null || return 0
   local size; size=$(stat -c %s "$W/compile_cache.tgz")
-  [ "$size" -le $(( 56 * 1024 * 1024 )) ] && ship "$W/compile_cache.tgz" g_compile_cache.tgz || log "compile cache: $size bytes, not shipped"; true
+  [ "$size" -le $(( 56 * 1024 * 1024 )) ] && ship "$W/compile_cache.tgz" d_compile_cache.tgz || log "compile cache: $size bytes, not shipped"; true
 }
 
 learneval() {  # the learning run's last adapter, the 274 games deterministic (paired against the warm start's det_a locally)
@@ -263,7 +264,7 @@ case "${1:-}" in
       *gpu-model*) mkdir -p /tmp/model-stage && cp "$2"/qwen.gguf.part* /tmp/model-stage/ ;;
       *gpu-data*) mkdir -p /tmp/gpu-data && cp -r "$2"/. /tmp/gpu-data/ ;;
       *gpu-adapters*) mkdir -p /tmp/adapter-stage && cp "${@:2}" /tmp/adapter-stage/ ;;  # stage PIECE [CONFIG SHA256]
-      *gpu-cache*) mkdir -p "$W" && cat "$2"/g_compile_cache.tgz.part* | tar -xz -C "$W" && touch "$W/cache.staged" ;;   # stage .gpu-cache (an earlier lease's g_compile_cache.tgz pieces)
+      *gpu-cache*) mkdir -p "$W" && cat "$2"/*compile_cache.tgz.part* | tar -xz -C "$W" && touch "$W/cache.staged" ;;   # stage .gpu-cache (an earlier lease's d_compile_cache.tgz pieces)
       *gpu-resume*) local_dir=/tmp/resume-stage/$(basename "$(dirname "$2")")   # stage .gpu-resume/R/trainer.ckpt.partNN [R/step R/trainer.ckpt.sha256]
         mkdir -p "$local_dir" && cp "${@:2}" "$local_dir/" ;;
       *) echo "stage: give .gpu-kit/cNN, .gpu-model/mNN, .gpu-data, .gpu-cache, .gpu-adapters/RUN/pieces/adapter.partNN [...] or .gpu-resume/RUN/..." >&2; exit 2 ;;
