@@ -161,6 +161,9 @@ class SFTPolicy(AlfrlPolicy):
 
     def training_step(self, batch: SFTBatch, batch_idx: int):
         started = time.perf_counter()
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
         self.prepare_training()  # as alfrl.ppo.ppo_update: train mode; the linear-attention kernel before the first step
         optimizer = self.optimizers()
         n_tok = sum(s.trained_tokens for s in batch.samples)
@@ -180,6 +183,8 @@ class SFTPolicy(AlfrlPolicy):
         seconds = time.perf_counter() - started
         tokens = sum(len(s) for s in batch.samples)
         speed = {f"sft/{k}": v for k, v in self.throughput(tokens, n_tok, seconds).items()}  # model_tflops, mfu (6N)
+        if cuda:
+            speed["sft/peak_memory_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         self.log_dict({"sft/loss": loss_sum * world, "sft/grad_norm": grad_norm, "sft/skipped_steps": float(self.skipped_steps), "sft/trained_tokens": float(n_tok),
                        "sft/sequence_tokens": float(tokens), "sft/seconds": seconds, "sft/tokens_per_second": tokens / max(seconds, 1e-9), **speed},
                       on_step=True, batch_size=1)

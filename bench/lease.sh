@@ -27,7 +27,7 @@
 # the bit"); fits: 3-update fits of recipes/rl_qwen15b_grpo.yaml at 4 games x 8, 20 steps, data.rollout.deterministic true
 # twice (rollouts and adapters hashed), false, and true with torch's deterministic algorithms, warn_only (FITS="..." picks); learn: the learning run of that recipe (issue "Learning at scale") until UNTIL_S seconds after `start`
 # (ARM=gigpo: the GiGPO arm in its own folder; its last adapter shipped; with learneval in LANES it stops EVAL_RESERVE_S, default 300, earlier); learneval: that adapter's
-# 274-game deterministic evaluation (records and summary shipped); sftspeed: alfrl sft's speed three ways (SFTSPEED="recipe fast compiled", SFTSPEED_STEPS=8); recipefit: 3 updates of recipes/qwen15b_coder_h200.yaml (an H200). SFT_STEPS=N: a shorter warm start; EVALS="det_a det_b": those evaluations only.
+# 274-game deterministic evaluation (records and summary shipped); sftspeed: alfrl sft's speed four ways (SFTSPEED="recipe fast expandable compiled", SFTSPEED_STEPS=8); recipefit: 3 updates of recipes/qwen15b_coder_h200.yaml (an H200). SFT_STEPS=N: a shorter warm start; EVALS="det_a det_b": those evaluations only.
 # DRY=1 runs the same lanes on this CPU with the tiny model (hf engine, 2 games a split) to check them before a lease.
 set -uo pipefail
 cd "${ALFRL_REPO:-$(dirname "$0")/..}"
@@ -138,10 +138,13 @@ warmstart() {  # the warm start: alfrl sft on every expert plan; its adapter shi
 sftspeed() {  # issue "The reference recipe at full speed", item 3: alfrl sft with the recipe's settings, with the RL update's
   # (varlen rows of 16K tokens, bf16 adapter), and with those and compiled layers; same plans, seed and steps (SFTSPEED_STEPS,
   # default 8), no validation; each run's sft/mfu (6N) in results/sftspeed_NAME.metrics.csv
-  local name extra
-  for name in ${SFTSPEED:-recipe fast compiled}; do
-    case $name in recipe) extra=() ;; fast) extra=("${SFT_FAST[@]}") ;; compiled) extra=("${SFT_FAST[@]}" --model.compile_layers true) ;; esac
-    timed "sftspeed_$name" "${ALFRL[@]}" sft --config "$SFT" "${MODEL[@]}" --data.expert_file "$EXPERT" "${SFT_ARGS[@]}" "${extra[@]}" \
+  # (expandable: fast with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, which the learning run sets and sft did not)
+  local name extra alloc
+  for name in ${SFTSPEED:-recipe fast expandable compiled}; do
+    alloc=expandable_segments:False
+    case $name in recipe) extra=() ;; fast) extra=("${SFT_FAST[@]}") ;; expandable) extra=("${SFT_FAST[@]}"); alloc=expandable_segments:True ;;
+      compiled) extra=("${SFT_FAST[@]}" --model.compile_layers true); alloc=expandable_segments:True ;; esac
+    timed "sftspeed_$name" env PYTORCH_CUDA_ALLOC_CONF=$alloc "${ALFRL[@]}" sft --config "$SFT" "${MODEL[@]}" --data.expert_file "$EXPERT" "${SFT_ARGS[@]}" "${extra[@]}" \
       --trainer.max_steps "${SFTSPEED_STEPS:-8}" --trainer.limit_val_batches 0 --trainer.default_root_dir "$RUN/sftspeed_$name"
     cp "$RUN/sftspeed_$name"/csv/version_0/metrics.csv "$W/results/sftspeed_$name.metrics.csv" 2>/dev/null
     rm -rf "$RUN/sftspeed_$name/checkpoints"
