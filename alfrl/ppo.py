@@ -264,13 +264,14 @@ def ppo_update(policy, optimizer, samples: list[Sample], temperature: float = 1.
                 raw_optimizer.step()
             raw_optimizer.zero_grad(set_to_none=True)
     seconds = time.perf_counter() - started  # the old log-probs (when the trainer scores them) and the update
+    sequence_tokens = sum(len(s) for s in samples)
     return {
         "prepare_seconds": start.prepare_seconds,
         "old_logprob_seconds": old_seconds,
         "update_seconds": seconds - old_seconds,
-        **policy.throughput(sum(len(s) for s in samples), sum(int(o.numel()) for o in old), seconds, ppo.epochs,
+        **policy.throughput(sequence_tokens, sum(int(o.numel()) for o in old), seconds, ppo.epochs,
                             scored=ppo.old_logprobs == "recompute"),
-        "sequence_tokens": float(sum(len(s) for s in samples)),
+        "sequence_tokens": float(sequence_tokens),
         **start.memory(),
         "skipped_steps": float(policy.skipped_steps),
         "minibatches": float(minibatches),

@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from alfrl.advantages import sample_of
 from alfrl.policy import AlfrlPolicy
-from alfrl.ppo import clip_gradients, global_counts, gradient_sync
+from alfrl.ppo import UpdateStart, clip_gradients, global_counts, gradient_sync
 from alfrl.types import Sample
 
 
@@ -161,10 +161,7 @@ class SFTPolicy(AlfrlPolicy):
 
     def training_step(self, batch: SFTBatch, batch_idx: int):
         started = time.perf_counter()
-        cuda = self.device.type == "cuda"
-        if cuda:
-            torch.cuda.reset_peak_memory_stats(self.device)
-        self.prepare_training()  # as alfrl.ppo.ppo_update: train mode; the linear-attention kernel before the first step
+        start = UpdateStart(self)  # as alfrl.ppo.ppo_update: prepared (train mode; the linear-attention kernel), memory marked
         optimizer = self.optimizers()
         n_tok = sum(s.trained_tokens for s in batch.samples)
         world = self.trainer.world_size
@@ -182,9 +179,7 @@ class SFTPolicy(AlfrlPolicy):
         optimizer.zero_grad(set_to_none=True)
         seconds = time.perf_counter() - started
         tokens = sum(len(s) for s in batch.samples)
-        speed = {f"sft/{k}": v for k, v in self.throughput(tokens, n_tok, seconds).items()}  # model_tflops, mfu (6N)
-        if cuda:
-            speed["sft/peak_memory_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+        speed = {f"sft/{k}": v for k, v in {**self.throughput(tokens, n_tok, seconds), **start.memory()}.items()}  # 6N, peak memory
         self.log_dict({"sft/loss": loss_sum * world, "sft/grad_norm": grad_norm, "sft/skipped_steps": float(self.skipped_steps), "sft/trained_tokens": float(n_tok),
                        "sft/sequence_tokens": float(tokens), "sft/seconds": seconds, "sft/tokens_per_second": tokens / max(seconds, 1e-9), **speed},
                       on_step=True, batch_size=1)
