@@ -20,6 +20,8 @@
 #                                                # name starts with (learn_stepN: GRPO, learn_gigpo_stepN: GiGPO) resumes from
 #                                                # that checkpoint (--ckpt_path); an earlier lease shipped it as e_learn_step-N_trainer.ckpt
 #   UPTO=20 LANES="warmstart learn learn:gigpo" bash bench/lease.sh start   # both arms, each up to update 20, one after the other
+#   UPTO=40 LANES="warmstart learn:gigpo" bash bench/lease.sh start   # the arm carried on (GiGPO) alone; a second `start` on the
+#                                                # same machine goes on from the newest checkpoint the first saved
 # .gpu-data holds json_2.1.1.tar.xz and expert.jsonl.gz with its .skipped.json (`alfrl expert --config
 # recipes/qwen15b_coder_h200.yaml`, begun on the CPU; the lease plays the games it did not reach).
 # LANES (default "warmstart evals fits learn"): warmstart: alfrl sft on every plan (adapter and plans shipped); evals: its
@@ -64,13 +66,19 @@ else
   EVAL=(--data.engine.gpu_memory_utilization 0.85 --data.env.num_workers 16); FIT=(--data.env.num_workers 16)
 fi
 ALFRL=("$PY" -m alfrl.cli)
-# the learning run's arm (issue "Learning at scale"): ARM=gigpo runs the GiGPO arm in runs/learn_gigpo (default: GRPO in runs/learn);
-# the lane `learn:gigpo` in LANES runs that arm whatever ARM says (LANES="warmstart learn learn:gigpo": both, one after the other)
-# gigpo with mean_norm: its episode advantage in the reward's units, as grpo_mean's, so that the recipe's lr means the same step
-# in both arms (verl-agent's mean_std_norm divides by the group's std: ~2x the advantage at this reward's spread)
+# the learning run's arm (issue "Learning at scale"): ARM=gigpo runs the GiGPO arm (recipes/rl_qwen15b_gigpo.yaml, the arm
+# carried on after update 20) in runs/learn_gigpo; the default, GRPO (recipes/rl_qwen15b_grpo.yaml), in runs/learn. The lane
+# `learn:gigpo` in LANES runs that arm whatever ARM says (LANES="warmstart learn learn:gigpo": both, one after the other).
+# DRY=1: the tiny recipe with the GiGPO recipe's two advantage keys
+LEARN0=$LEARN
 set_arm() {
-  ARM=${1:-}; LD=learn${ARM:+_$ARM}; ARM_ARGS=(); [ -n "$ARM" ] && ARM_ARGS=(--data.advantage.estimator "$ARM")
-  [ "$ARM" = gigpo ] && ARM_ARGS+=(--data.advantage.norm mean_norm); true
+  ARM=${1:-}; LD=learn${ARM:+_$ARM}; ARM_ARGS=(); LEARN=$LEARN0
+  case "$ARM" in
+    "") ;;
+    gigpo) if [ "$DRY" = 1 ]; then ARM_ARGS=(--data.advantage.estimator gigpo --data.advantage.norm mean_norm)
+           else LEARN=recipes/rl_qwen15b_gigpo.yaml; fi ;;
+    *) echo "ARM=$ARM: give gigpo, or nothing for GRPO" >&2; exit 2 ;;
+  esac
 }
 ARM0=${ARM:-}; set_arm "$ARM0"
 GGUF_SHA=cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046   # ../shared/gpu-offline/fetch-model.sh
@@ -103,7 +111,7 @@ setup() {  # the kit and the games; then, once every model piece is staged, the 
   log "$(wc -l < "$EXPERT") expert trajectories"
 }
 
-last_step() { echo "$1/$(cat "$1/last")"; }   # a checkpoints/ folder's newest step (its file `last` names it)
+last_step() { [ -f "$1/last" ] && echo "$1/$(cat "$1/last")"; }   # a checkpoints/ folder's newest step (its file `last` names it)
 
 ship() {  # ship FILE NAME: FILE in pieces of 14 MiB under ship/ (its sha256 in results/), for `wait` and `send` to bring back
   [ -f "$1" ] || { log "nothing to ship at $1"; return 1; }
@@ -191,19 +199,27 @@ recipefit() {  # 3 updates of recipes/qwen15b_coder_h200.yaml as it stands (16,3
   cp "$RUN/recipefit"/csv/version_0/metrics.csv "$W/results/recipefit.metrics.csv" 2>/dev/null; true
 }
 
-learn() {  # the learning run, stopped by max_time (or at update UPTO); resumed from a staged trainer.ckpt of its arm if one was
-  # staged (`stage .gpu-resume/${LD}_stepN/...`: the folder's name starts with the run's folder, learn_stepN or learn_gigpo_stepN)
+learn() {  # the learning run, stopped by max_time (or at update UPTO); it goes on from its arm's newest checkpoint: one staged
+  # by `stage .gpu-resume/${LD}_stepN/...` (the folder's name starts with the run's folder, learn_stepN or learn_gigpo_stepN),
+  # used once, or else the one an earlier `start` on this machine saved in $RUN/$LD
   local reserve=0; case " $LANES " in *" learneval "*) reserve=${EVAL_RESERVE_S:-300} ;; esac
   local left=$(( ${UNTIL:-0} - $(date +%s) - 100 - reserve ))   # one update and a save after the time is up
   [ "$left" -ge 150 ] || { log "$LD: $left s left, not started"; return 0; }
   [ -f "$W/stop" ] && { log "$LD: stopped before it began (\`stop\`)"; return 0; }
-  local resume=() staged
+  local resume=() staged step=
   staged=$(ls -d /tmp/resume-stage/"${LD}"_step* 2>/dev/null | head -1)
-  if [ -n "$staged" ]; then  # a checkpoint brought back by an earlier lease: the run goes on with --ckpt_path
-    local step; step=$RUN/$LD/checkpoints/$(cat "$staged/step") || return 1
-    mkdir -p "$step" && cat "$staged"/trainer.ckpt.part* > "$step/trainer.ckpt" && basename "$step" > "$RUN/$LD/checkpoints/last" || return 1
-    [ "$(sha256sum < "$step/trainer.ckpt" | cut -d' ' -f1)" = "$(cut -d' ' -f1 "$staged/trainer.ckpt.sha256")" ] \
-      || { log "the staged checkpoint's checksum does not match"; return 1; }
+  if [ -n "$staged" ]; then  # a checkpoint brought back by an earlier lease, written beside (never over) the run's files
+    step=$RUN/$LD/checkpoints/$(cat "$staged/step") || return 1
+    mkdir -p "$step" && cat "$staged"/trainer.ckpt.part* > "$W/tmp/staged.ckpt" || return 1
+    [ "$(sha256sum < "$W/tmp/staged.ckpt" | cut -d' ' -f1)" = "$(cut -d' ' -f1 "$staged/trainer.ckpt.sha256")" ] \
+      || { log "the staged checkpoint's checksum does not match (stage its pieces again)"; return 1; }
+    mv "$W/tmp/staged.ckpt" "$step/trainer.ckpt" && basename "$step" > "$RUN/$LD/checkpoints/last" && rm -rf "$staged" || return 1
+  elif step=$(last_step "$RUN/$LD/checkpoints" 2>/dev/null) && [ -f "$step/trainer.ckpt" ]; then
+    log "$LD: no staged checkpoint; going on from this machine's"   # a second `start` (before 2026-12-07b it began again from the warm start)
+  else
+    step=
+  fi
+  if [ -n "$step" ]; then
     resume=(--ckpt_path "$step/trainer.ckpt"); log "$LD: resuming from $(basename "$step")"
     # Lightning's Timer goes on from the training time saved in the checkpoint (max_time counts over every resume: a
     # resumed arm stopped after 2 updates on 2026-12-07): this process's time is added to it
