@@ -277,14 +277,33 @@ def _metric_files(sources: list[str]) -> list[Path]:
 
 def log_records(sources: list[str]) -> list[dict]:
     """Every row of the CSVLogger files under ``sources`` (``RUN_DIR/**/metrics.csv`` or the files themselves), oldest
-    version first, so that a resumed run's rows come after (and replace) the ones it redid."""
+    version first, so that a resumed run's rows come after (and replace) the ones it redid. A file may hold several
+    processes' logs one after the other (``cat version_*/metrics.csv``): each header row starts its own columns."""
     import csv
 
     records: list[dict] = []
     for f in _metric_files(sources):
         with open(f, newline="") as fh:
-            records += list(csv.DictReader(fh))
+            header: list[str] | None = None
+            for cells in csv.reader(fh):
+                if header is None or _is_header(cells):
+                    header = cells
+                elif cells:
+                    records.append(dict(zip(header, cells)))
     return records
+
+
+def _is_header(cells: list[str]) -> bool:
+    """A CSVLogger header row: it names the ``step`` column and holds no number."""
+    if "step" not in cells:
+        return False
+    for cell in cells:
+        try:
+            float(cell)
+            return False
+        except ValueError:
+            pass
+    return True
 
 
 def training_rows(records: list[dict], columns: dict[str, str] = TRAIN_COLUMNS) -> list[dict]:
