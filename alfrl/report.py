@@ -403,14 +403,17 @@ def eval_outputs(rows: list[dict], out: Path) -> list[Path]:
 
 
 def training_markdown(rows: list[dict]) -> str:
-    """Where the training steps' time went: mean, min and max seconds of each part over the logged updates."""
-    lines = [f"\n## Training steps ({len(rows)} updates, seconds)\n", "| part | mean | min | max |", "|---|---|---|---|"]
+    """Where the training steps' time went: mean, min, max and total seconds of each part over the updates that logged it
+    (the total is the run's GPU time in that phase; the process's start, checkpoints and periodic evaluations are not in it)."""
+    lines = [f"\n## Training steps ({len(rows)} updates, seconds)\n", "| part | mean | min | max | total | updates |",
+             "|---|---|---|---|---|---|"]
     for key, label in (("seconds_wall", "step, wall clock"), ("seconds_step", "step, its three parts"), ("seconds_rollout", "rollout"),
                        ("seconds_update", "update after the rollout"), ("seconds_sync", "weight sync"),
                        ("seconds_other", "between the parts (wall clock - parts)")):
         values = [r[key] for r in rows if r.get(key) is not None]
         if values:
-            lines.append(f"| {label} | {sum(values) / len(values):.2f} | {min(values):.2f} | {max(values):.2f} |")
+            lines.append(f"| {label} | {sum(values) / len(values):.2f} | {min(values):.2f} | {max(values):.2f} | {sum(values):.2f} "
+                         f"| {len(values)} |")
     return "\n".join(lines) + "\n" if len(lines) > 3 else ""
 
 
@@ -455,9 +458,30 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--train-log", nargs="+", default=None, metavar="RUN_DIR_OR_CSV",
                         help="also plot the training curves of this run (its default_root_dir or metrics.csv files)")
     parser.add_argument("--html", action="store_true", help="also write report.html: every game and trajectory, filterable, self-contained")
+    parser.add_argument("--html-games", type=int, default=None, metavar="N",
+                        help="report.html shows N games that every run played, spread over the task types (default: every game)")
     parser.add_argument("--rollouts", nargs="+", default=[], metavar="STEP_JSONL",
                         help="training rollout files (data.save_rollouts) to show in report.html with their group rewards")
     return parser
+
+
+def spread_games(runs: list[tuple[str, list[dict]]], n: int) -> set[str]:
+    """``n`` game ids that every run played, taken in turn from each task type (each type's games in id order), so that
+    a page of before/after trajectories shows every task type; every common game when there are fewer."""
+    if n < 1:
+        raise SystemExit(f"alfrl report: --html-games {n}: give a number of games >= 1")
+    common = set.intersection(*({g["game_id"] for g in games} for _, games in runs))
+    by_type: dict[str, list[str]] = {}
+    for g in sorted(runs[0][1], key=lambda g: g["game_id"]):
+        if g["game_id"] in common:
+            by_type.setdefault(g.get("task_type") or "", []).append(g["game_id"])
+    queues = [by_type[t] for t in sorted(by_type)]
+    chosen: list[str] = []
+    while len(chosen) < n and any(queues):
+        for q in queues:
+            if q and len(chosen) < n:
+                chosen.append(q.pop(0))
+    return set(chosen)
 
 
 def main(argv: list[str]) -> int:
@@ -493,6 +517,9 @@ def main(argv: list[str]) -> int:
     if args.html:
         from alfrl.html_report import build_page
 
+        if args.html_games is not None:
+            keep = spread_games(games_played, args.html_games)
+            games_played = [(name, [g for g in games if g["game_id"] in keep]) for name, games in games_played]
         page = build_page(games_played, text, [f for f in files if f.suffix == ".png"],
                           [(Path(p).stem, Path(p)) for p in args.rollouts])
         (out / "report.html").write_text(page)

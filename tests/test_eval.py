@@ -273,9 +273,10 @@ def test_report_training_curves_merge_a_resumed_run(tmp_path):
     assert (out / "training.csv").read_text().splitlines()[0].startswith("step,reward,success,invalid_actions")
     assert len((out / "training.csv").read_text().splitlines()) == 4
     report = (out / "report.md").read_text()
-    assert "## Training steps (3 updates, seconds)" in report and "| step, its three parts | 26.50 | 21.50 | 31.50 |" in report
-    assert "| step, wall clock | 27.12 | 22.25 | 32.00 |" in report and "| between the parts (wall clock - parts) | 0.62 | 0.50 | 0.75 |" in report
-    assert "| update after the rollout | 4.00 | 1.00 | 6.00 |" in report
+    assert "## Training steps (3 updates, seconds)" in report and "| step, its three parts | 26.50 | 21.50 | 31.50 | 79.50 | 3 |" in report
+    assert "| step, wall clock | 27.12 | 22.25 | 32.00 | 54.25 | 2 |" in report  # the total over the updates that logged it
+    assert "| between the parts (wall clock - parts) | 0.62 | 0.50 | 0.75 | 1.25 | 2 |" in report
+    assert "| update after the rollout | 4.00 | 1.00 | 6.00 | 12.00 | 3 |" in report
     assert (out / "training_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(SystemExit, match="no metrics.csv"):
         training_rows(log_records([str(tmp_path / "report")]))
@@ -293,6 +294,20 @@ def test_report_reads_one_file_holding_two_processes_logs_with_their_own_columns
     rows = training_rows(log_records([str(path)]))
     assert [(r["step"], r["reward"], r["success"]) for r in rows] == [(0, 0.1, 0.25), (1, 0.2, 0.5), (2, 0.4, 0.75), (3, 0.3, 0.5)]
     assert [(r["update"], r["success_rate"]) for r in eval_rows(log_records([str(path)]))] == [(2, 0.3), (4, 0.6)]
+
+
+def test_report_html_games_spread_over_task_types_among_the_games_every_run_played():
+    from alfrl.report import spread_games
+
+    def run(ids):
+        return [{"game_id": i, "task_type": i.split("/")[0]} for i in ids]
+
+    before = run(["a/1", "a/2", "a/3", "b/1", "b/2", "c/1", "c/9"])
+    after = run(["a/1", "a/2", "a/3", "b/1", "b/2", "c/1"])  # c/9 not played by both: never chosen
+    assert spread_games([("w", before), ("r", after)], 4) == {"a/1", "b/1", "c/1", "a/2"}
+    assert spread_games([("w", before), ("r", after)], 50) == {g["game_id"] for g in after}
+    with pytest.raises(SystemExit, match="--html-games 0"):
+        spread_games([("w", before)], 0)
 
 
 def test_report_draws_the_periodic_evaluation_per_task_type_against_updates(tmp_path):

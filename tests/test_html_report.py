@@ -60,6 +60,12 @@ def test_the_page_holds_every_game_turn_and_filter_and_nothing_from_the_network(
                 assert strings[t[2]] == (rt["action"] or "")
     assert all(g["won"] for g in data["runs"][0]["games"])  # the expert plans win
 
+    proc = alfrl_here(capfd, "report", str(out / "expert.jsonl"), str(out / "tiny.jsonl"), "--out", str(out / "three"),
+                      "--html", "--html-games", "3")  # the page of before/after: the same 3 games in each run
+    assert proc.returncode == 0, proc.stderr
+    shown = [[g["id"] for g in r["games"]] for r in _data((out / "three" / "report.html").read_text())["runs"]]
+    assert len(shown[0]) == 3 and shown[0] == shown[1] and set(shown[0]) <= {g.id for g in games}
+
 
 def test_rollouts_show_group_rewards_and_advantages(evals, tiny_model_dir, tiny_tokenizer, tmp_path):
     from transformers import AutoModelForCausalLM
