@@ -391,6 +391,14 @@ class AlfrlPolicy(L.LightningModule):
         sync's settings (``weight_sync.check``, ``weight_sync.canary_at_step``)."""
         self.sampler, self.sync_check, self.canary_at_step = sampler, sync_check, canary_at_step
 
+    def on_train_batch_start(self, batch, batch_idx: int) -> None:
+        """Each update's log row holds only what that update logged. Lightning keeps a step metric in every later row
+        until the epoch ends (here: the whole run), so a value logged at one update only (the canary, a checkpoint's
+        seconds, a periodic evaluation) came back in every row after it: its logged values are cleared first."""
+        results = getattr(self.trainer, "_results", None)
+        if results is not None:
+            results.reset()
+
     def transfer_batch_to_device(self, batch, device, dataloader_idx: int):
         return batch  # a step's games and settings: nothing for the device (the samples move row by row in the update)
 

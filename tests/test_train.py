@@ -74,6 +74,7 @@ def test_make_train_runs_the_tiny_recipe(tmp_path, data_dir, tiny_model_dir):
     # the hf engine runs on torch's allocator: no memory guard (alfrl.guard: for vLLM in this process)
     assert "train/memory_guard_seconds" not in rows[0]
     assert float(rows[0]["sync/canary_caught"]) == 1.0  # the skipped sync was caught
+    assert rows[1]["sync/canary_caught"] == ""  # and only that update's row says so (Lightning would repeat it in every row)
     assert float(rows[0]["sync/engine_response"]) == pytest.approx(1.0, abs=0.05)  # and the real sync after it went through
     # after each rollout the engine scored the probe exactly as right after the sync before it
     assert [float(r["engine/probe_drift"]) for r in rows] == [0.0, 0.0]
