@@ -326,6 +326,10 @@ def recipe_problems(cfg: Namespace, check_data: bool = True, check_model: bool =
     max_steps = cfg.trainer.get("max_steps")
     if max_steps is not None and max_steps < 1 and max_steps != -1:
         problems.append(f"trainer.max_steps={max_steps}: the number of updates must be >= 1 (or -1 to train until stopped)")
+    every = cfg.trainer.get("log_every_n_steps")
+    if every is not None and every != 1:
+        problems.append(f"trainer.log_every_n_steps={every}: alfrl logs every update's row (an update takes seconds, not "
+                        "milliseconds; a checkpoint's or an evaluation's figures are in their update's row only): leave it at 1")
     for key, value in (("checkpoint.save_every", cfg.checkpoint.save_every), ("periodic_eval.every_n_steps", cfg.periodic_eval.every_n_steps),
                        ("weight_sync.canary_at_step", cfg.weight_sync.canary_at_step)):
         if value < 0:

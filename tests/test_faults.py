@@ -72,6 +72,7 @@ BAD_FIT = [
     (["--config", "recipes/no_such.yaml"], "no such recipe file"),
     (["--config", "recipes/tiny.yaml", "--trainer.max_steps", "-3"], "trainer.max_steps=-3: the number of updates must be >= 1"),
     (["--config", "recipes/tiny.yaml", "--checkpoint.save_every", "-1"], "checkpoint.save_every=-1 must be >= 0"),
+    (["--config", "recipes/tiny.yaml", "--trainer.log_every_n_steps", "5"], "trainer.log_every_n_steps=5: alfrl logs every update's row"),
     (["--config", "recipes/tiny.yaml", "--periodic_eval.every_n_steps", "-2"], "periodic_eval.every_n_steps=-2 must be >= 0"),
     (["--config", "recipes/tiny.yaml", "--weight_sync.canary_at_step", "-1"], "weight_sync.canary_at_step=-1 must be >= 0"),
     (["--config", "NOLOGGER"], "trainer.logger[1] in --config"),
