@@ -14,6 +14,7 @@ reward, success and invalid actions; later logs win for a step logged twice, as 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -412,8 +413,8 @@ def training_markdown(rows: list[dict]) -> str:
                        ("seconds_other", "between the parts (wall clock - parts)")):
         values = [r[key] for r in rows if r.get(key) is not None]
         if values:
-            lines.append(f"| {label} | {sum(values) / len(values):.2f} | {min(values):.2f} | {max(values):.2f} | {sum(values):.2f} "
-                         f"| {len(values)} |")
+            total = sum(values)
+            lines.append(f"| {label} | {total / len(values):.2f} | {min(values):.2f} | {max(values):.2f} | {total:.2f} | {len(values)} |")
     return "\n".join(lines) + "\n" if len(lines) > 3 else ""
 
 
@@ -475,13 +476,8 @@ def spread_games(runs: list[tuple[str, list[dict]]], n: int) -> set[str]:
     for g in sorted(runs[0][1], key=lambda g: g["game_id"]):
         if g["game_id"] in common:
             by_type.setdefault(g.get("task_type") or "", []).append(g["game_id"])
-    queues = [by_type[t] for t in sorted(by_type)]
-    chosen: list[str] = []
-    while len(chosen) < n and any(queues):
-        for q in queues:
-            if q and len(chosen) < n:
-                chosen.append(q.pop(0))
-    return set(chosen)
+    in_turn = (g for row in itertools.zip_longest(*(by_type[t] for t in sorted(by_type))) for g in row if g is not None)
+    return set(itertools.islice(in_turn, n))
 
 
 def main(argv: list[str]) -> int:
