@@ -318,6 +318,40 @@ def run_eval(
     return summary
 
 
+SUMMARY_BLOCK_KEYS = ("games", "wins", "success_rate", "mean_reward", "mean_steps", "mean_invalid_actions", "valid_format_rate",
+                      "admissible_rate")
+
+
+def _is_summary(summary) -> bool:
+    """Whether a parsed JSON value has the shape ``summarize`` gives (what the report reads from it)."""
+    if not isinstance(summary, dict) or not isinstance(summary.get("splits"), dict) or not isinstance(summary.get("task_types"), dict):
+        return False
+    blocks = [summary.get("overall"), *summary["splits"].values()]
+    if not all(isinstance(b, dict) and all(isinstance(b.get(k), (int, float)) for k in SUMMARY_BLOCK_KEYS) for b in blocks):
+        return False
+    tasks = [v for per_split in summary["task_types"].values() for v in (per_split.values() if isinstance(per_split, dict) else [None])]
+    if not all(isinstance(v, dict) and isinstance(v.get("wins"), int) and isinstance(v.get("games"), int) for v in tasks):
+        return False
+    overall = summary["overall"]
+    return isinstance(overall["games"], int) and isinstance(overall["wins"], int) and 0 <= overall["wins"] <= overall["games"] > 0
+
+
+def read_summary(path: str | Path) -> dict:
+    """The summary ``alfrl eval --out X.jsonl`` wrote beside its records (``X.summary.json``), checked: for a run whose
+    per-game records are gone (it can be set beside others, not paired with them)."""
+    fix = "give the .summary.json that `alfrl eval --out` wrote beside its .jsonl"
+    try:
+        summary = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise EvalError(f"{path}: no such file: {fix}") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise EvalError(f"{path} cannot be read as JSON ({type(e).__name__}): {fix}") from None
+    if not _is_summary(summary):
+        raise EvalError(f"{path} is not an `alfrl eval` summary (overall, splits and task_types with games, wins and rates): {fix}")
+    summary.setdefault("deterministic", None)
+    return summary
+
+
 def read_results(path: str | Path) -> tuple[dict | None, list[dict], dict]:
     """(header, game records, summary) of an ``alfrl eval`` output; the summary is recomputed from the records."""
     if not Path(path).is_file():

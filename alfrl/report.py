@@ -19,7 +19,7 @@ import json
 import sys
 from pathlib import Path
 
-from alfrl.evaluation import EvalError, read_results, summarize, task_type_wins
+from alfrl.evaluation import EvalError, read_results, read_summary, summarize, task_type_wins
 from alfrl.games import TASK_TYPES
 
 SPLIT_COLUMNS = ("valid_seen", "valid_unseen")
@@ -36,40 +36,80 @@ def _delta(x: float | None, base: float | None) -> str:
     return f" ({'+' if d >= 0 else ''}{d:.2f})"
 
 
-def load_runs(paths: list[str], names: list[str] | None) -> list[tuple[str, dict, list[dict]]]:
-    """(name, summary, game records) of every result file."""
+def load_runs(paths: list[str], names: list[str] | None) -> list[tuple[str, dict, list[dict] | None]]:
+    """(name, summary, game records) of every result file; a ``.summary.json`` (a run whose records are gone) has no
+    records (None): it stands in the tables and is compared without pairing (``unpaired_markdown``)."""
     if names and len(names) != len(paths):
         raise SystemExit(f"alfrl report: {len(names)} names for {len(paths)} result files: give one name per file")
     runs = []
     for i, path in enumerate(paths):
-        _header, games, summary = read_results(path)
-        runs.append((names[i] if names else Path(path).stem, summary, games))
+        summary_only = str(path).endswith(".summary.json")
+        name = names[i] if names else (Path(path).name.removesuffix(".summary.json") if summary_only else Path(path).stem)
+        if summary_only:
+            runs.append((name, read_summary(path), None))
+        else:
+            _header, games, summary = read_results(path)
+            runs.append((name, summary, games))
+    if runs[0][2] is None:
+        raise SystemExit(f"alfrl report: the first result ({paths[0]}) is the baseline and must hold the games: give an "
+                         "`alfrl eval` .jsonl first, summaries after it")
     return runs
 
 
-def common_games(loaded: list[tuple[str, dict, list[dict]]]) -> tuple[list[tuple[str, dict, list[dict]]], str | None]:
+def common_games(loaded: list[tuple[str, dict, list[dict] | None]]) -> tuple[list[tuple[str, dict, list[dict] | None]], str | None]:
     """The runs as given when they played the same games; else each cut to the games every run played (its summary
-    recomputed), with a line saying so: a 274-game evaluation beside a 60-game periodic one compares 60 games."""
-    sets = [{g["game_id"] for g in games} for _, _, games in loaded]
+    recomputed), with a line saying so: a 274-game evaluation beside a 60-game periodic one compares 60 games. A run
+    with only its summary is left as it is."""
+    sets = [{g["game_id"] for g in games} for _, _, games in loaded if games is not None]
     if all(s == sets[0] for s in sets):
         return loaded, None
     common = set.intersection(*sets)
-    counts = ", ".join(f"{name} {len(s)}" for (name, _, _), s in zip(loaded, sets))
+    counts = ", ".join(f"{name} {len(games)}" for name, _, games in loaded if games is not None)
     if not common:
         raise SystemExit(f"alfrl report: no game was played by every run ({counts} games): compare evaluations of the same "
                          "splits, or report them separately")
     cut = []
     for name, summary, games in loaded:
-        kept = [g for g in games if g["game_id"] in common]
-        cut.append((name, summarize(kept, summary.get("deterministic")), kept))
+        kept = None if games is None else [g for g in games if g["game_id"] in common]
+        cut.append((name, summary if kept is None else summarize(kept, summary.get("deterministic")), kept))
+    alone = " (a run given by its summary alone keeps all of its games)" if any(g is None for _, _, g in loaded) else ""
     return cut, (f"The runs played different games ({counts}): every table and chart below is over the {len(common)} "
-                 "games all of them played.")
+                 f"games all of them played{alone}.")
+
+
+def unpaired_markdown(runs: list[tuple[str, dict, list[dict] | None]]) -> str:
+    """Every run with records against every run given by its summary alone: Newcombe's interval (``alfrl.stats``)."""
+    from alfrl.stats import unpaired_comparison
+
+    lines = []
+    for s_name, s_summary, s_games in runs:
+        if s_games is not None:
+            continue
+        lines += ["", f"## Unpaired comparison against {s_name} (its summary only: no game-by-game pairing)", "",
+                  "| run | split | games | success A -> B | difference | Newcombe 95% interval | B better? |", "|---|---|---|---|---|---|---|"]
+        for name, summary, games in runs:
+            for split in ("all", *SPLIT_COLUMNS) if games is not None else ():
+                a = s_summary["overall"] if split == "all" else s_summary["splits"].get(split)
+                b = summary["overall"] if split == "all" else summary["splits"].get(split)
+                if not a or not b:
+                    continue
+                if a["games"] != b["games"]:
+                    lines.append(f"| {name} | {split} | {b['games']} against {a['games']} | | | not compared: other games | |")
+                    continue
+                c = unpaired_comparison(a["wins"], a["games"], b["wins"], b["games"])
+                better = "yes" if c["ci_low"] > 0 else ("worse" if c["ci_high"] < 0 else "not shown")
+                lines.append(f"| {name} | {split} | {b['games']} | {_pct(c['a_success'])} -> {_pct(c['b_success'])} | "
+                             f"{100 * c['difference']:+.2f} pts | [{100 * c['ci_low']:+.2f}, {100 * c['ci_high']:+.2f}] pts | {better} |")
+        lines += ["", f"{s_name}'s games are taken to be the same set (same split and count); without its records the two "
+                  "runs are treated as independent samples, so this interval is wider than a paired one."]
+    return "\n".join(lines) + "\n" if lines else ""
 
 
 def paired_markdown(runs: list[tuple[str, dict, list[dict]]]) -> str:
     """Every run against the first on the games both played: McNemar's exact test and a bootstrap interval."""
     from alfrl.stats import paired_comparison
 
+    runs = [r for r in runs if r[2] is not None]  # a run given by its summary alone cannot be paired
     base_name, _, base_games = runs[0]
     lines = ["", f"## Paired comparison against {base_name} (same games)", "",
              "| run | split | games | success A -> B | difference | B only / A only | McNemar p | bootstrap 95% interval | B better? |",
@@ -453,7 +493,8 @@ def training_outputs(rows: list[dict], out: Path) -> list[Path]:
 
 def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="alfrl report", description="Compare alfrl eval results side by side.")
-    parser.add_argument("results", nargs="+", help="alfrl eval output files (.jsonl); the first is the baseline")
+    parser.add_argument("results", nargs="+", help="alfrl eval output files (.jsonl; the first is the baseline), or a "
+                        "run's .summary.json where its records are gone (compared unpaired)")
     parser.add_argument("--names", nargs="+", default=None, help="one name per results file (default: the files' stems)")
     parser.add_argument("--out", required=True, help="folder for report.md, summaries.json, the charts (and report.html)")
     parser.add_argument("--train-log", nargs="+", default=None, metavar="RUN_DIR_OR_CSV",
@@ -487,7 +528,7 @@ def main(argv: list[str]) -> int:
     except EvalError as e:
         print(f"alfrl report: {e}", file=sys.stderr)
         return 2
-    games_played = [(name, games) for name, _, games in loaded]  # every game, for the HTML page
+    games_played = [(name, games) for name, _, games in loaded if games is not None]  # every game, for the HTML page
     loaded, cut = common_games(loaded)
     runs = [(name, summary) for name, summary, _ in loaded]
     warning = determinism_warning(runs)
@@ -495,7 +536,8 @@ def main(argv: list[str]) -> int:
         print(f"alfrl report: warning: {warning}", file=sys.stderr)
     if cut:
         print(f"alfrl report: {cut}", file=sys.stderr)
-    text = markdown(runs, cut) + (paired_markdown(loaded) if len(loaded) > 1 else "")
+    with_games = sum(games is not None for _, _, games in loaded)
+    text = markdown(runs, cut) + (paired_markdown(loaded) if with_games > 1 else "") + unpaired_markdown(loaded)
     records = log_records(args.train_log) if args.train_log else []
     train_rows = training_rows(records)
     text += training_markdown(train_rows) if train_rows else ""

@@ -216,6 +216,34 @@ def test_report_of_runs_on_different_games_compares_the_games_all_of_them_played
     assert proc.returncode != 0 and "no game was played by every run (full 4, other 1 games)" in proc.stderr
 
 
+def test_report_compares_a_run_known_by_its_summary_alone_unpaired(tmp_path, capfd):
+    """A run whose records are gone (only its .summary.json): in the tables, left out of the pairing, compared by
+    Newcombe's interval; a summary cannot be the baseline, and a file that is not a summary is one line."""
+    from alfrl.stats import unpaired_comparison
+
+    full = tmp_path / "new.jsonl"
+    full.write_text("".join(json.dumps(r) + "\n" for r in [{"type": "header", "config": {}}, *HAND_MADE]))  # 2 wins of 4
+    old = tmp_path / "old.summary.json"
+    old.write_text(json.dumps(summarize([dict(r, won=False) for r in HAND_MADE[:3]] + [dict(HAND_MADE[3], won=True)])))
+    out = tmp_path / "report"
+    proc = alfrl_here(capfd, "report", str(full), str(old), "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    table = (out / "report.md").read_text()
+    assert "| old | " in table and "## Paired comparison" not in table
+    c = unpaired_comparison(1, 4, 2, 4)
+    assert "## Unpaired comparison against old (its summary only: no game-by-game pairing)" in table
+    assert (f"| new | all | 4 | 25.00% -> 50.00% | +25.00 pts | [{100 * c['ci_low']:+.2f}, {100 * c['ci_high']:+.2f}] pts | "
+            "not shown |") in table
+    for args, error in (([str(old), str(full)], "is the baseline and must hold the games"),
+                        ([str(full), str(tmp_path / "new.jsonl")], None)):
+        proc = alfrl_here(capfd, "report", *args, "--out", str(tmp_path / "r2"))
+        assert (proc.returncode != 0 and error in proc.stderr) if error else proc.returncode == 0
+    bad = tmp_path / "bad.summary.json"
+    bad.write_text(json.dumps({"overall": {"games": 4}}))
+    proc = alfrl_here(capfd, "report", str(full), str(bad), "--out", str(tmp_path / "r3"))
+    assert proc.returncode != 0 and "is not an `alfrl eval` summary" in proc.stderr and "give the .summary.json" in proc.stderr
+
+
 def test_report_warns_when_it_pairs_a_deterministic_evaluation_with_one_that_was_not(tmp_path, capfd):
     """Two runs of one adapter on a non-deterministic engine differed by 3 points: a paired difference against such a run
     is not the adapters' alone; the report says so in report.md and on stderr, and says nothing when both are exact."""

@@ -28,3 +28,20 @@ def test_paired_comparison_by_hand():
     assert paired_comparison(a, b, n_boot=4000, seed=1) == c  # seeded
     with pytest.raises(ValueError, match="no game in common"):
         paired_comparison({"x": True}, {"y": True})
+
+
+def test_unpaired_comparison_against_newcombe_1998():
+    """Newcombe (Stat. Med. 1998, 17:873-890), example (a): 56/70 against 48/80, difference 0.2, method 10
+    interval 0.0524 to 0.3339. The Wilson interval of 56/70 by hand: center (0.8 + z^2/140) / (1 + z^2/70) = 0.78439,
+    half z / (1 + z^2/70) * sqrt(0.16/70 + z^2/19600) = 0.09256."""
+    from alfrl.stats import unpaired_comparison, wilson_interval
+
+    low, high = wilson_interval(56, 70)
+    assert (round(low, 4), round(high, 4)) == (0.6918, 0.8770)
+    c = unpaired_comparison(48, 80, 56, 70)  # B = 56/70
+    assert c["difference"] == pytest.approx(0.2)
+    assert (round(c["ci_low"], 4), round(c["ci_high"], 4)) == (0.0524, 0.3339)
+    flipped = unpaired_comparison(56, 70, 48, 80)
+    assert flipped["ci_low"] == pytest.approx(-c["ci_high"]) and flipped["ci_high"] == pytest.approx(-c["ci_low"])
+    with pytest.raises(ValueError, match="at least one game"):
+        wilson_interval(0, 0)
