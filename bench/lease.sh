@@ -203,7 +203,7 @@ learn() {  # the learning run, stopped by max_time (or at update UPTO); it goes 
   # by `stage .gpu-resume/${LD}_stepN/...` (the folder's name starts with the run's folder, learn_stepN or learn_gigpo_stepN),
   # used once, or else the one an earlier `start` on this machine saved in $RUN/$LD
   local reserve=0; case " $LANES " in *" learneval "*) reserve=${EVAL_RESERVE_S:-300} ;; esac
-  # Lightning's Timer counts from the first update, not from the process's start (model, engine, CUDA graphs: 150-200 s,
+  # Lightning's Timer counts from the start of training, not from the process's start (model, engine, CUDA graphs: 150-200 s,
   # LEARN_START_S; 2026-12-07d ran ~3 min past UNTIL without it), and one update and a save follow the time (100 s)
   local left=$(( ${UNTIL:-0} - $(date +%s) - 100 - ${LEARN_START_S:-180} - reserve ))
   [ "$left" -ge 150 ] || { log "$LD: $left s left, not started"; return 0; }
