@@ -11,7 +11,8 @@
 #   bash bench/lease.sh stop                     # the learning run ends (Lightning's SIGTERM) and ships its newest saved checkpoint
 #                                                # (every 2 updates; send it right after one is saved: `cat .gpu-work/runs/learn/checkpoints/last`)
 #                                                # (UNTIL_S counts from `start`, the device budget from the machine's start: leave
-#                                                # the shipping's minute and a margin; a second `start` skips the setup)
+#                                                # the shipping's minutes and a margin; a second `start` skips the setup; the fit's
+#                                                # Timer gets UNTIL less its start, LEARN_START_S=180, and one update, 100 s)
 #   bash bench/lease.sh stage .gpu-adapters/R/pieces/adapter.part00 .gpu-adapters/R/adapter_config.json .gpu-adapters/R/adapter.sha256
 #                                                # then part01, part02, before `start`: the warm start is that adapter, no sft
 #   bash bench/lease.sh stage .gpu-cache            # before `start`, if an earlier lease shipped d_compile_cache.tgz (its pieces in .gpu-cache/): no engine compile
