@@ -138,6 +138,11 @@ def _rate(num: float, den: float) -> float:
     return num / den if den else 0.0
 
 
+SUMMARY_BLOCK_KEYS = ("games", "wins", "success_rate", "mean_reward", "mean_steps", "mean_invalid_actions", "valid_format_rate",
+                      "admissible_rate")
+"""The figures of a split's (and the overall) block of a summary, as ``_block`` writes them (``read_summary`` checks them)."""
+
+
 def _block(records: list[dict]) -> dict:
     n = len(records)
     turns = [turn for r in records for turn in r["turns"]]
@@ -318,22 +323,20 @@ def run_eval(
     return summary
 
 
-SUMMARY_BLOCK_KEYS = ("games", "wins", "success_rate", "mean_reward", "mean_steps", "mean_invalid_actions", "valid_format_rate",
-                      "admissible_rate")
-
-
 def _is_summary(summary) -> bool:
     """Whether a parsed JSON value has the shape ``summarize`` gives (what the report reads from it)."""
-    if not isinstance(summary, dict) or not isinstance(summary.get("splits"), dict) or not isinstance(summary.get("task_types"), dict):
+    def block(b) -> bool:
+        return isinstance(b, dict) and all(isinstance(b.get(k), (int, float)) for k in SUMMARY_BLOCK_KEYS)
+
+    def counts(b) -> bool:
+        return isinstance(b, dict) and isinstance(b.get("wins"), int) and isinstance(b.get("games"), int)
+
+    if not (isinstance(summary, dict) and isinstance(summary.get("splits"), dict) and isinstance(summary.get("task_types"), dict)):
         return False
-    blocks = [summary.get("overall"), *summary["splits"].values()]
-    if not all(isinstance(b, dict) and all(isinstance(b.get(k), (int, float)) for k in SUMMARY_BLOCK_KEYS) for b in blocks):
-        return False
-    tasks = [v for per_split in summary["task_types"].values() for v in (per_split.values() if isinstance(per_split, dict) else [None])]
-    if not all(isinstance(v, dict) and isinstance(v.get("wins"), int) and isinstance(v.get("games"), int) for v in tasks):
-        return False
-    overall = summary["overall"]
-    return isinstance(overall["games"], int) and isinstance(overall["wins"], int) and 0 <= overall["wins"] <= overall["games"] > 0
+    overall = summary.get("overall")
+    return (block(overall) and counts(overall) and 0 <= overall["wins"] <= overall["games"] > 0
+            and all(map(block, summary["splits"].values()))
+            and all(isinstance(tasks, dict) and all(map(counts, tasks.values())) for tasks in summary["task_types"].values()))
 
 
 def read_summary(path: str | Path) -> dict:

@@ -88,7 +88,9 @@ def unpaired_markdown(runs: list[tuple[str, dict, list[dict] | None]]) -> str:
         lines += ["", f"## Unpaired comparison against {s_name} (its summary only: no game-by-game pairing)", "",
                   "| run | split | games | success A -> B | difference | Newcombe 95% interval | B better? |", "|---|---|---|---|---|---|---|"]
         for name, summary, games in runs:
-            for split in ("all", *SPLIT_COLUMNS) if games is not None else ():
+            if games is None:
+                continue
+            for split in ("all", *SPLIT_COLUMNS):
                 a = s_summary["overall"] if split == "all" else s_summary["splits"].get(split)
                 b = summary["overall"] if split == "all" else summary["splits"].get(split)
                 if not a or not b:
@@ -106,10 +108,13 @@ def unpaired_markdown(runs: list[tuple[str, dict, list[dict] | None]]) -> str:
 
 
 def paired_markdown(runs: list[tuple[str, dict, list[dict]]]) -> str:
-    """Every run against the first on the games both played: McNemar's exact test and a bootstrap interval."""
+    """Every run against the first on the games both played: McNemar's exact test and a bootstrap interval ("" with
+    fewer than two runs that have their records: a run given by its summary alone cannot be paired)."""
     from alfrl.stats import paired_comparison
 
-    runs = [r for r in runs if r[2] is not None]  # a run given by its summary alone cannot be paired
+    runs = [r for r in runs if r[2] is not None]
+    if len(runs) < 2:
+        return ""
     base_name, _, base_games = runs[0]
     lines = ["", f"## Paired comparison against {base_name} (same games)", "",
              "| run | split | games | success A -> B | difference | B only / A only | McNemar p | bootstrap 95% interval | B better? |",
@@ -536,8 +541,7 @@ def main(argv: list[str]) -> int:
         print(f"alfrl report: warning: {warning}", file=sys.stderr)
     if cut:
         print(f"alfrl report: {cut}", file=sys.stderr)
-    with_games = sum(games is not None for _, _, games in loaded)
-    text = markdown(runs, cut) + (paired_markdown(loaded) if with_games > 1 else "") + unpaired_markdown(loaded)
+    text = markdown(runs, cut) + paired_markdown(loaded) + unpaired_markdown(loaded)
     records = log_records(args.train_log) if args.train_log else []
     train_rows = training_rows(records)
     text += training_markdown(train_rows) if train_rows else ""

@@ -452,3 +452,9 @@ def test_an_adapter_of_other_lora_settings_or_damaged_is_one_line_before_any_mod
     assert code == 2 and shown in err and len([x for x in err.splitlines() if "alfrl eval:" in x]) == 1, err[-2000:]
     # in this process an exception would have failed the test before here: no traceback to look for
     assert "Loading weights" not in err and not (tmp_path / "x.jsonl").exists()
+
+
+def test_the_summary_reader_checks_the_keys_a_summary_block_has():
+    from alfrl.evaluation import SUMMARY_BLOCK_KEYS, _block
+
+    assert tuple(_block(HAND_MADE)) == SUMMARY_BLOCK_KEYS
