@@ -217,10 +217,17 @@ class UpdateStart:
         if self.cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
         self.memory_before = torch.cuda.memory_allocated(self.device) / 2**30 if self.cuda else 0.0
+        self.retries_before = self._alloc_retries()
+
+    def _alloc_retries(self) -> int:
+        """torch's count of allocations that found no free cached block, emptied the cache (a device sync and cudaFree
+        of every unused block) and tried again: fragmentation that costs time without running out of memory."""
+        return int(torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0)) if self.cuda else 0
 
     def memory(self) -> dict[str, float]:
         peak = torch.cuda.max_memory_allocated(self.device) / 2**30 if self.cuda else 0.0
-        return {"peak_memory_gib": peak, "update_added_memory_gib": peak - self.memory_before}
+        return {"peak_memory_gib": peak, "update_added_memory_gib": peak - self.memory_before,
+                "alloc_retries": float(self._alloc_retries() - self.retries_before)}
 
 
 def ppo_update(policy, optimizer, samples: list[Sample], temperature: float = 1.0) -> dict[str, float]:

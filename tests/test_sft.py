@@ -142,6 +142,7 @@ def test_sft_lowers_held_out_loss_and_rl_starts_from_its_adapter(expert, tmp_pat
     body, head = parameter_counts(base.model)
     rows = [r for r in csv.DictReader(open(root / "csv" / "version_0" / "metrics.csv")) if r.get("sft/model_tflops")]
     assert len(rows) == 8 and "sft/mfu" not in rows[0] and float(rows[0]["sft/peak_memory_gib"]) == 0.0  # no GPU here
+    assert float(rows[0]["sft/alloc_retries"]) == 0.0
     for r in rows:
         flops = update_flops(body, head, float(r["sft/sequence_tokens"]), float(r["sft/trained_tokens"]))
         assert float(r["sft/model_tflops"]) * float(r["sft/seconds"]) * 1e12 == pytest.approx(flops, rel=1e-3)
