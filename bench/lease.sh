@@ -27,7 +27,8 @@
 # recipes/qwen15b_coder_h200.yaml`, begun on the CPU; the lease plays the games it did not reach).
 # LANES (default "warmstart evals fits learn"): warmstart: alfrl sft on every plan (adapter and plans shipped); evals: its
 # 274-game evaluation with data.eval.deterministic true, false, true, compared by `alfrl report` (issue "Reproducible to
-# the bit"); fits: 3-update fits of recipes/rl_qwen15b_grpo.yaml at 4 games x 8, 20 steps, data.rollout.deterministic true
+# the bit"); det_a alone ~4.5 min on an H100 (2026-12-07e: its batch-invariant engine compiles, 173 s to start, which the
+# learning run's compile cache does not hold; then ~80 s of games); fits: 3-update fits of recipes/rl_qwen15b_grpo.yaml at 4 games x 8, 20 steps, data.rollout.deterministic true
 # twice (rollouts and adapters hashed), false, and true with torch's deterministic algorithms, warn_only (FITS="..." picks); learn: the learning run of that recipe (issue "Learning at scale") until UNTIL_S seconds after `start`
 # (ARM=gigpo: the GiGPO arm in its own folder; its last adapter shipped; with learneval in LANES it stops EVAL_RESERVE_S, default 300, earlier); learneval: that adapter's
 # 274-game deterministic evaluation (records and summary shipped); sftspeed: alfrl sft's speed four ways (SFTSPEED="recipe fast expandable compiled", SFTSPEED_STEPS=8); recipefit: 3 updates of recipes/qwen15b_coder_h200.yaml (an H200). SFT_STEPS=N: a shorter warm start; EVALS="det_a det_b": those evaluations only.
