@@ -159,6 +159,29 @@ def replay(runner_for: Callable[[ExpertEngine], RolloutRunner], fmt: ChatFormat,
     return {"games": len(games), "written": len(done), "skipped": len(skipped), "skipped_games": skipped}
 
 
+def tokenizer_problem(path: str | Path, tokenizer, model_name: str, trajectories: int = 3) -> str | None:
+    """None when the first ``trajectories`` of the expert file at ``path`` were tokenized by ``tokenizer``, else the problem
+    in one line: each turn's trained tokens must decode to the text the file records for that turn (an expert file is
+    written for one model's tokenizer; another model's would train on other words, or index past its vocabulary)."""
+    vocabulary = len(tokenizer)
+    for t in read_expert(path, trajectories):
+        for seq in t.sequences:
+            for turn, start, end in seq.spans[:2]:
+                ids = list(seq.token_ids[start:end])
+                text = t.turns[turn].completion_text if turn < len(t.turns) else ""
+                if ids and max(ids) >= vocabulary:
+                    decoded = f"token id {max(ids)}, past this tokenizer's {vocabulary}"
+                else:
+                    decoded = tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+                    if decoded.startswith(text):
+                        continue
+                    decoded = f"decodes to {decoded[:40]!r}"
+                return (f"{path} was not tokenized by {model_name}'s tokenizer: turn {turn} of {t.game_id} {decoded}, its text "
+                        f"is {text[:40]!r}; write the file for this model with `alfrl expert --config RECIPE --out FILE` "
+                        "(the recipe naming this model)")
+    return None
+
+
 def read_expert(path: str | Path, limit: int | None = None) -> list[Trajectory]:
     """Expert trajectories written by ``replay`` (the first ``limit``)."""
     out = []

@@ -586,6 +586,14 @@ class SFTCLI(AlfrlCLI):
             raise RecipeError(problems)
         self._claim_run_folder(cfg)
 
+    def after_instantiate_classes(self) -> None:
+        """The expert file against the model's tokenizer, before the model loads (one line and exit 2 if they differ)."""
+        from alfrl.expert import tokenizer_problem
+
+        problem = tokenizer_problem(self.datamodule.expert_file, self.model.load_tokenizer(), self.model.hparams.model_name)
+        if problem:
+            raise DataError(problem)
+
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(main_fit(sys.argv[1:]))

@@ -159,3 +159,31 @@ def test_sft_lowers_held_out_loss_and_rl_starts_from_its_adapter(expert, tmp_pat
     assert state.keys() == warm_state.keys() and all(torch.equal(state[k], warm_state[k]) for k in state)
     assert any(float(v.abs().sum()) > 0 for k, v in state.items() if "lora_B" in k)  # not the B = 0 start
     assert (rl / "checkpoints" / "step-000001" / "adapter" / "adapter_model.safetensors").is_file()
+
+
+def test_an_expert_file_of_another_tokenizer_is_one_line_before_the_model_loads(expert, tmp_path, data_dir, tiny_model_dir, tiny_tokenizer,
+                                                                                capfd, monkeypatch):
+    from alfrl.expert import tokenizer_problem
+
+    _, _, out, _ = expert
+    assert tokenizer_problem(out, tiny_tokenizer, "tiny") is None  # the file was written with this tokenizer
+    vocabulary = len(tiny_tokenizer)
+    for name, remap in [("shifted", lambda i: (i + 7) % vocabulary), ("past", lambda i: i + vocabulary)]:
+        bad = tmp_path / f"{name}.jsonl"  # the same plans as another model's tokenizer would have written them
+        with open(out) as f, open(bad, "w") as g:
+            for line in f:
+                d = json.loads(line)
+                for s in d["sequences"]:
+                    s["token_ids"] = [remap(i) for i in s["token_ids"]]
+                g.write(json.dumps(d) + "\n")
+        problem = tokenizer_problem(bad, tiny_tokenizer, "tiny")
+        assert problem and "was not tokenized by tiny's tokenizer" in problem and "alfrl expert --config RECIPE" in problem
+        assert ("past this tokenizer's" in problem) == (name == "past")
+    monkeypatch.setenv("ALFWORLD_DATA", data_dir)
+    root = tmp_path / "run"
+    proc = alfrl_here(capfd, "sft", "--config", "recipes/sft_tiny.yaml", "--data.expert_file", str(bad), "--model.model_name", tiny_model_dir,
+                      "--trainer.default_root_dir", str(root), "--trainer.logger", "false")
+    assert proc.returncode == 2
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("alfrl sft:")]
+    assert len(lines) == 1 and str(bad) in lines[0] and "Traceback" not in proc.stderr
+    assert not (root / "checkpoints").exists()
