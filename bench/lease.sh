@@ -31,7 +31,7 @@
 # learning run's compile cache does not hold; then ~80 s of games); fits: 3-update fits of recipes/rl_qwen15b_grpo.yaml at 4 games x 8, 20 steps, data.rollout.deterministic true
 # twice (rollouts and adapters hashed), false, and true with torch's deterministic algorithms, warn_only (FITS="..." picks); learn: the learning run of that recipe (issue "Learning at scale") until UNTIL_S seconds after `start`
 # (ARM=gigpo: the GiGPO arm in its own folder; its last adapter shipped; with learneval in LANES it stops EVAL_RESERVE_S, default 300, earlier); learneval: that adapter's
-# 274-game deterministic evaluation (records and summary shipped); sftspeed: alfrl sft's speed four ways (SFTSPEED="recipe fast expandable compiled", SFTSPEED_STEPS=8); recipefit: 3 updates of recipes/qwen15b_coder_h200.yaml (an H200). SFT_STEPS=N: a shorter warm start; EVALS="det_a det_b": those evaluations only.
+# 274-game deterministic evaluation (records and summary shipped); sftspeed: alfrl sft's speed four ways (SFTSPEED="recipe fast expandable compiled", SFTSPEED_STEPS=8; the way `profiled`: fast under Lightning's PyTorchProfiler, its table in results); recipefit: 3 updates of recipes/qwen15b_coder_h200.yaml (an H200). SFT_STEPS=N: a shorter warm start; EVALS="det_a det_b": those evaluations only.
 # DRY=1 runs the same lanes on this CPU with the tiny model (hf engine, 2 games a split) to check them before a lease.
 set -uo pipefail
 cd "${ALFRL_REPO:-$(dirname "$0")/..}"
@@ -153,10 +153,15 @@ sftspeed() {  # issue "The reference recipe at full speed", item 3: alfrl sft wi
   for name in ${SFTSPEED:-recipe fast expandable compiled}; do
     alloc=expandable_segments:False
     case $name in recipe) extra=() ;; fast) extra=("${SFT_FAST[@]}") ;; expandable) extra=("${SFT_FAST[@]}"); alloc=expandable_segments:True ;;
-      compiled) extra=("${SFT_FAST[@]}" --model.compile_layers true); alloc=expandable_segments:True ;; esac
+      compiled) extra=("${SFT_FAST[@]}" --model.compile_layers true); alloc=expandable_segments:True ;;
+      profiled) extra=("${SFT_FAST[@]}" --trainer.profiler.class_path lightning.pytorch.profilers.PyTorchProfiler   # steps 3-5 under
+        --trainer.profiler.init_args.dirpath "$RUN/sftspeed_profiled/prof" --trainer.profiler.init_args.filename sft   # torch.profiler,
+        --trainer.profiler.init_args.row_limit 60) ;;                                                                 # GPU time first
+      *) log "sftspeed: no way named $name (recipe fast expandable compiled profiled)"; continue ;; esac
     timed "sftspeed_$name" env PYTORCH_CUDA_ALLOC_CONF=$alloc "${ALFRL[@]}" sft --config "$SFT" "${MODEL[@]}" --data.expert_file "$EXPERT" "${SFT_ARGS[@]}" "${extra[@]}" \
       --trainer.max_steps "${SFTSPEED_STEPS:-8}" --trainer.limit_val_batches 0 --trainer.default_root_dir "$RUN/sftspeed_$name"
     cp "$RUN/sftspeed_$name"/csv/version_0/metrics.csv "$W/results/sftspeed_$name.metrics.csv" 2>/dev/null
+    cp "$RUN/sftspeed_$name"/prof/*.txt "$W/results/sftspeed_${name}_profile.txt" 2>/dev/null   # the table only (the trace is large)
     rm -rf "$RUN/sftspeed_$name/checkpoints"
   done; true
 }
