@@ -1,0 +1,167 @@
+"""Why `alfrl sft` runs at 7% MFU where the RL update of the same model runs at 15-20% (issue "The reference recipe at full
+speed", item 3): one warm-start batch's rows, forward and backward, three ways on the same weights and samples.
+
+- ``loop``: the packed rows as `alfrl sft` runs them (``sdpa_varlen``: one SDPA call per sequence of a row, a Python loop
+  per layer; an expert plan is ~1,000 tokens, so a 16,384-token row holds ~16 and a step ~65).
+- ``fused``: the same rows through torch's variable-length FlashAttention (``torch.nn.attention.varlen.varlen_attn``), one
+  kernel per layer for all the row's sequences; CUDA only. Its log-probs are compared with the loop's on the same rows.
+- ``unpacked``: one sequence a row (the RL update's layout, where a trajectory of ~6,400 tokens fills its row alone).
+
+Each way: ``--warmup`` steps, then ``--steps`` timed (CUDA synchronized), no optimizer step. Written to ``--out`` (JSON)
+and printed: seconds a step, sequence tokens a second, model TFLOP/s and MFU by 6N (alfrl.models), peak memory.
+
+    python bench/sft_rows.py --model .cache/qwen15b-coder-hf --expert .cache/expert/expert_qwen15b_all.jsonl --out sft_rows.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import time
+
+import torch
+
+FUSED = "sdpa_varlen_fused"
+
+
+def fused_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
+    """``sdpa_varlen`` with one ``varlen_attn`` call for a packed row's sequences (transformers' attention interface:
+    query (1, H, T, D), key / value (1, KV, T, D) -> ((1, T, H, D), None)); anything else goes to ``sdpa_varlen``."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    from alfrl.attention import sdpa_varlen_forward, segment_lengths
+
+    position_ids = kwargs.get("position_ids")
+    if (attention_mask is not None or not query.is_cuda or position_ids is None or query.shape[0] != 1
+            or query.shape[2] != key.shape[2] or kwargs.get("sliding_window") is not None):
+        return sdpa_varlen_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    lengths = segment_lengths(position_ids)
+    q, k, v = (x[0].transpose(0, 1).contiguous() for x in (query, key, value))  # (T, heads, D)
+    params = inspect.signature(varlen_attn).parameters
+    extra = {}
+    if k.shape[1] != q.shape[1]:
+        if "enable_gqa" in params:
+            extra["enable_gqa"] = True
+        else:  # this torch's varlen_attn wants as many key / value heads as query heads
+            k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
+    if "window_size" in params:
+        extra["window_size"] = (-1, 0)  # causal
+    else:
+        extra["is_causal"] = True
+    if "scale" in params:
+        extra["scale"] = scaling
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=q.device)
+    out = varlen_attn(q, k, v, cu, cu, max(lengths), max(lengths), **extra)
+    return out.unsqueeze(0), None
+
+
+def register_fused() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    from alfrl.attention import _mask
+
+    AttentionInterface.register(FUSED, fused_forward)
+    AttentionMaskInterface.register(FUSED, _mask)
+
+
+def step(policy, samples) -> tuple[float, int]:
+    """Forward and backward over every row of ``samples`` (as `alfrl sft`'s step, without the optimizer); seconds."""
+    torch.cuda.synchronize() if policy.device.type == "cuda" else None
+    started = time.perf_counter()
+    n_tok = sum(s.trained_tokens for s in samples)
+    rows = policy.microbatches(samples, list(range(len(samples))))
+    for mb in rows:
+        (-policy.logprobs_of(mb).sum() / n_tok).backward()
+    torch.cuda.synchronize() if policy.device.type == "cuda" else None
+    seconds = time.perf_counter() - started
+    for p in policy.trainable_parameters():
+        p.grad = None
+    return seconds, len(rows)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True, help="a Hugging Face folder (the converted GGUF on the GPU machine)")
+    ap.add_argument("--expert", required=True, help="the expert file written for that model (alfrl expert)")
+    ap.add_argument("--tokens-per-step", type=int, default=65536, help="recipes/sft_qwen15b.yaml's data.tokens_per_step")
+    ap.add_argument("--row-tokens", type=int, default=16384, help="the packed row (the warm start's --model.ppo.microbatch_tokens)")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--ways", default="loop,fused,unpacked")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+
+    from alfrl.attention import register
+    from alfrl.logprobs import causal_lm_of
+    from alfrl.models import peak_bf16_tflops, update_flops
+    from alfrl.policy import LoRAConfig
+    from alfrl.ppo import PPOConfig
+    from alfrl.sft import ExpertDataModule, SFTPolicy
+
+    cuda = torch.cuda.is_available()
+    register()
+    register_fused()
+    policy = SFTPolicy(model_name=args.model, attn_implementation="sdpa_varlen", adapter_dtype="bfloat16" if cuda else "float32",
+                       lora=LoRAConfig(rank=32, alpha=64), ppo=PPOConfig(microbatch_tokens=args.row_tokens))
+    policy.configure_model()
+    policy.to("cuda" if cuda else "cpu")
+    policy.prepare_training()
+    dm = ExpertDataModule(args.expert, validation_fraction=0.0, tokens_per_step=args.tokens_per_step)
+    dm.setup("fit")
+    batches = [dm.next_batch().samples for _ in range(args.warmup + args.steps)]
+    lm = causal_lm_of(policy.model)
+    from alfrl.models import parameter_counts
+
+    body, head = parameter_counts(policy.model)
+    peak = peak_bf16_tflops(torch.cuda.get_device_name()) if cuda else None
+    result = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__, "model": args.model,
+              "row_tokens": args.row_tokens, "tokens_per_step": args.tokens_per_step, "ways": {}}
+    reference = None
+    for way in args.ways.split(","):
+        if way == "fused" and not cuda:
+            result["ways"][way] = {"skipped": "varlen_attn runs on CUDA only"}
+            print(f"{way}: skipped (CUDA only)")
+            continue
+        lm.set_attn_implementation(FUSED if way == "fused" else "sdpa_varlen")
+        policy.packable = way != "unpacked"
+        with torch.no_grad():  # the first row's log-probs, against the loop's
+            row = policy.microbatches(batches[0], list(range(len(batches[0]))))[0] if way != "unpacked" else None
+            lp = policy.logprobs_of(row).float().cpu() if row is not None else None
+        if way == "loop":
+            reference = lp
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        runs = []
+        try:
+            for i, samples in enumerate(batches):
+                seconds, rows = step(policy, samples)
+                if i >= args.warmup:
+                    tokens = sum(len(s) for s in samples)
+                    trained = sum(s.trained_tokens for s in samples)
+                    tflops = update_flops(body, head, tokens, trained) / seconds / 1e12
+                    runs.append({"seconds": seconds, "rows": rows, "sequences": len(samples), "sequence_tokens": tokens,
+                                 "tokens_per_second": tokens / seconds, "model_tflops": tflops,
+                                 **({"mfu": tflops / peak} if peak else {})})
+        except Exception as e:  # a way that cannot run here is reported, the others still run
+            result["ways"][way] = {"error": f"{type(e).__name__}: {e}"[:500]}
+            print(f"{way}: {type(e).__name__}: {e}"[:300])
+            continue
+        entry = {"steps": runs, "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0}
+        if lp is not None and reference is not None and way != "loop":
+            diff = (lp - reference).abs()
+            entry["first_row_logprob_vs_loop"] = {"max_abs": float(diff.max()), "mean_abs": float(diff.mean()), "tokens": int(lp.numel())}
+        result["ways"][way] = entry
+        mean = sum(r["seconds"] for r in runs) / len(runs)
+        print(f"{way}: {mean:.3f} s a step (rows {runs[0]['rows']}, sequences {runs[0]['sequences']}), "
+              f"{sum(r['tokens_per_second'] for r in runs) / len(runs):.0f} tokens/s"
+              + (f", MFU {sum(r['mfu'] for r in runs) / len(runs):.3f}" if peak else "")
+              + (f", first row vs loop max |d log-prob| {entry['first_row_logprob_vs_loop']['max_abs']:.4f}" if "first_row_logprob_vs_loop" in entry else ""))
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"written: {args.out}")
+
+
+if __name__ == "__main__":
+    main()
