@@ -243,9 +243,13 @@ def changed_keys(old, new, prefix: str = "") -> list[str]:
 def _read_existing(path: Path) -> tuple[dict | None, list[dict]]:
     """(header, game records) of an existing output; a torn tail (an interrupted write: a cut line, bytes that are not
     UTF-8) is dropped, every whole record before it kept."""
-    header, games = None, []
     with open(path, "rb") as f:
-        lines = f.read().split(b"\n")
+        return _parse_records(f.read())
+
+
+def _parse_records(data: bytes) -> tuple[dict | None, list[dict]]:
+    header, games = None, []
+    lines = data.split(b"\n")
     for line in lines:
         try:
             rec = json.loads(line.decode("utf-8"))
@@ -356,12 +360,19 @@ def read_summary(path: str | Path) -> dict:
 
 
 def read_results(path: str | Path) -> tuple[dict | None, list[dict], dict]:
-    """(header, game records, summary) of an ``alfrl eval`` output; the summary is recomputed from the records."""
+    """(header, game records, summary) of an ``alfrl eval`` output (``.jsonl``, or gzipped ``.jsonl.gz`` as results folders
+    keep them); the summary is recomputed from the records."""
     if not Path(path).is_file():
         raise EvalError(f"{path}: no such file: give the .jsonl that `alfrl eval --out` wrote")
     try:
-        header, games = _read_existing(Path(path))
-    except (UnicodeDecodeError, OSError) as e:
+        if str(path).endswith(".gz"):
+            import gzip
+
+            with gzip.open(path, "rb") as f:
+                header, games = _parse_records(f.read())
+        else:
+            header, games = _read_existing(Path(path))
+    except (UnicodeDecodeError, OSError, EOFError) as e:  # gzip's BadGzipFile is an OSError; a cut .gz ends in EOFError
         raise EvalError(f"{path} cannot be read ({type(e).__name__}): is it an `alfrl eval` output?") from None
     if not games:
         raise EvalError(f"{path} holds no evaluated games: is it an `alfrl eval` output?")

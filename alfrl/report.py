@@ -44,7 +44,8 @@ def load_runs(paths: list[str], names: list[str] | None) -> list[tuple[str, dict
     runs = []
     for i, path in enumerate(paths):
         summary_only = str(path).endswith(".summary.json")
-        name = names[i] if names else (Path(path).name.removesuffix(".summary.json") if summary_only else Path(path).stem)
+        name = names[i] if names else (Path(path).name.removesuffix(".summary.json") if summary_only
+                                       else Path(path).name.removesuffix(".gz").removesuffix(".jsonl"))
         if summary_only:
             runs.append((name, read_summary(path), None))
         else:

@@ -427,6 +427,28 @@ def test_an_evaluation_file_whose_tail_is_not_utf8_keeps_every_whole_game(tmp_pa
     assert summary["overall"]["games"] == 2
 
 
+def test_report_reads_gzipped_records_as_results_folders_keep_them(tmp_path, capfd):
+    """results/*/X.jsonl.gz (the records a results folder keeps compressed) is read as X.jsonl, named X; a cut or
+    corrupt .gz is one line."""
+    import gzip
+
+    records = [{"type": "header", "config": {}}, *HAND_MADE]
+    plain = tmp_path / "plain.jsonl"
+    plain.write_text("".join(json.dumps(r) + "\n" for r in records))
+    packed = tmp_path / "packed.jsonl.gz"
+    packed.write_bytes(gzip.compress(plain.read_bytes()))
+    assert read_results(packed)[1:] == read_results(plain)[1:]
+    out = tmp_path / "report"
+    proc = alfrl_here(capfd, "report", str(plain), str(packed), "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert "| packed | " in (out / "report.md").read_text()
+    for name, data in (("cut", packed.read_bytes()[:-12]), ("corrupt", b"not gzip at all")):
+        bad = tmp_path / f"{name}.jsonl.gz"
+        bad.write_bytes(data)
+        with pytest.raises(EvalError, match="cannot be read .*is it an `alfrl eval` output"):
+            read_results(bad)
+
+
 def test_a_missing_adapter_is_one_line_before_any_model_loads(capfd):
     from alfrl.cli import main
 
