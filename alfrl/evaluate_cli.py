@@ -91,6 +91,10 @@ def main(argv: list[str]) -> int:
         return 0
     args, rest = own.parse_known_args(argv)
 
+    if args.out.endswith(".gz"):  # the output is appended to and resumed as plain lines
+        print(f"alfrl eval: --out {args.out}: alfrl eval writes plain JSONL (resumable): give a .jsonl name and gzip the "
+              "file afterwards (alfrl report reads .jsonl.gz)", file=sys.stderr)
+        return 2
     if args.adapter and not Path(args.adapter).exists():  # before the recipe is read and any model loads
         print(f"alfrl eval: --adapter {args.adapter}: no such file or folder: give a checkpoint folder (runs/NAME/checkpoints/last), "
               "its adapter/ folder or its trainer.ckpt", file=sys.stderr)

@@ -452,6 +452,11 @@ def test_report_reads_gzipped_records_as_results_folders_keep_them(tmp_path, cap
 def test_a_missing_adapter_is_one_line_before_any_model_loads(capfd):
     from alfrl.cli import main
 
+    assert main(["eval", "--config", "recipes/tiny.yaml", "--out", "x.jsonl.gz"]) == 2  # appended plain lines under a .gz name
+    assert capfd.readouterr().err.strip().splitlines() == [
+        "alfrl eval: --out x.jsonl.gz: alfrl eval writes plain JSONL (resumable): give a .jsonl name and gzip the file "
+        "afterwards (alfrl report reads .jsonl.gz)"]
+
     assert main(["eval", "--config", "recipes/tiny.yaml", "--adapter", "/no/such/path", "--out", "x.jsonl"]) == 2
     err = capfd.readouterr().err
     assert err.strip().splitlines() == ["alfrl eval: --adapter /no/such/path: no such file or folder: give a checkpoint folder "
