@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One GPU lease as a background job, so no step is bound by a call's limit. Calls, back to back (the machine goes
 # cold 30 s after a call, and a call sent beside a long local command waits for it: a lease was lost so, 2026-12-06;
-# a carried path exists only during its call, so `stage` copies it to /tmp):
+# a carried path exists only during its call, so `stage` copies it to /tmp; reading a `wait`'s files here between two calls
+# for a few minutes let the machine go cold mid-evaluation and lost a whole lease's setup, 2026-12-07e: the next `wait`
+# first, what it brought back read while it runs or after `give_back`):
 #   bash bench/lease.sh stage .gpu-kit/c01       # ... c07 (c01 carries install.sh), then .gpu-data
 #   UNTIL_S=1380 bash bench/lease.sh start       # install and games start; the job waits for the model's pieces:
 #   bash bench/lease.sh stage .gpu-model/m01     # ... m20; then the model, the rest of the expert plans and the lanes
