@@ -10,7 +10,13 @@ speed", item 3): one warm-start batch's rows, forward and backward, three ways o
 Each way: ``--warmup`` steps, then ``--steps`` timed (CUDA synchronized), no optimizer step. Written to ``--out`` (JSON)
 and printed: seconds a step, sequence tokens a second, model TFLOP/s and MFU by 6N (alfrl.models), peak memory.
 
+``--host-only`` runs on any machine: the model's structure on PyTorch's meta device (shapes, no data, no arithmetic), so
+the time is the host's alone: Python, dispatch and autograd for the decoder's forward and backward over one batch's
+real rows (the sequence lengths of the expert file), each way (the fused one through varlen_attn's shape function).
+That is the work the CPU must issue however fast the GPU is; where it exceeds the GPU's, the GPU waits.
+
     python bench/sft_rows.py --model .cache/qwen15b-coder-hf --expert .cache/expert/expert_qwen15b_all.jsonl --out sft_rows.json
+    python bench/sft_rows.py --model DIR [--gguf-file F] --expert FILE --host-only --out sft_rows_host.json
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ def fused_forward(module, query, key, value, attention_mask, dropout: float = 0.
     from alfrl.attention import sdpa_varlen_forward, segment_lengths
 
     position_ids = kwargs.get("position_ids")
-    if (attention_mask is not None or not query.is_cuda or position_ids is None or query.shape[0] != 1
+    if (attention_mask is not None or not (query.is_cuda or query.is_meta) or position_ids is None or query.shape[0] != 1
             or query.shape[2] != key.shape[2] or kwargs.get("sliding_window") is not None):
         return sdpa_varlen_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     lengths = segment_lengths(position_ids)
@@ -81,6 +87,53 @@ def step(policy, samples) -> tuple[float, int]:
     return seconds, len(rows)
 
 
+def host_only(args) -> dict:
+    """Host seconds of the decoder's forward and backward over one batch's rows, each way, on the meta device."""
+    import transformers.masking_utils as masking
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from alfrl.attention import register
+    from alfrl.ppo import pack_microbatches
+    from alfrl.sft import ExpertDataModule
+
+    register()
+    register_fused()
+    # transformers looks for packed sequences by reading position_ids (a meta tensor holds no values); alfrl's attention
+    # finds them itself (segment_lengths, given below as the loop would compute them)
+    masking.find_packed_sequence_indices = lambda *a, **k: None
+    kwargs = {"gguf_file": args.gguf_file} if args.gguf_file else {}
+    config = AutoConfig.from_pretrained(args.model, **kwargs)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.bfloat16)
+    model = get_peft_model(model, LoraConfig(r=32, lora_alpha=64, target_modules="all-linear"))
+    model.train()
+    decoder = model.get_base_model().get_decoder()
+    dm = ExpertDataModule(args.expert, validation_fraction=0.0, tokens_per_step=args.tokens_per_step)
+    dm.setup("fit")
+    samples = dm.next_batch().samples
+    lengths = [len(s) for s in samples]
+    result = {"device": "meta (host time only)", "torch": torch.__version__, "model": args.model, "row_tokens": args.row_tokens,
+              "sequences": len(lengths), "sequence_tokens": sum(lengths), "ways": {}}
+    for way in args.ways.split(","):
+        model.get_base_model().set_attn_implementation(FUSED if way == "fused" else "sdpa_varlen")
+        rows = [[lengths[i] for i in row] for row in pack_microbatches(lengths, args.row_tokens, pack=way != "unpacked")]
+        best = None
+        for _ in range(args.warmup + args.steps):
+            started = time.perf_counter()
+            for row in rows:
+                ids = torch.zeros((1, sum(row)), dtype=torch.long, device="meta")
+                pos = torch.zeros((1, sum(row)), dtype=torch.long, device="meta")
+                pos._alfrl_segments = tuple(row)
+                hidden = decoder(input_ids=ids, position_ids=pos, use_cache=False).last_hidden_state
+                hidden.float().sum().backward()
+            seconds = time.perf_counter() - started
+            best = seconds if best is None else min(best, seconds)
+        result["ways"][way] = {"rows": len(rows), "host_seconds": best}
+        print(f"{way}: {len(rows)} rows, host time {best:.3f} s for the batch's decoder forward and backward")
+    return result
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True, help="a Hugging Face folder (the converted GGUF on the GPU machine)")
@@ -90,8 +143,16 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--ways", default="loop,fused,unpacked")
+    ap.add_argument("--host-only", action="store_true", help="the host's time alone, on the meta device (any machine)")
+    ap.add_argument("--gguf-file", default=None, help="with --host-only: read the model's structure from this GGUF in --model")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
+    if args.host_only:
+        result = host_only(args)
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"written: {args.out}")
+        return
 
     from alfrl.attention import register
     from alfrl.logprobs import causal_lm_of
