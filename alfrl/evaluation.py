@@ -13,6 +13,7 @@ the configuration; a different configuration on an existing file is refused unle
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import hashlib
 import json
 import os
@@ -365,13 +366,8 @@ def read_results(path: str | Path) -> tuple[dict | None, list[dict], dict]:
     if not Path(path).is_file():
         raise EvalError(f"{path}: no such file: give the .jsonl that `alfrl eval --out` wrote")
     try:
-        if str(path).endswith(".gz"):
-            import gzip
-
-            with gzip.open(path, "rb") as f:
-                header, games = _parse_records(f.read())
-        else:
-            header, games = _read_existing(Path(path))
+        with (gzip.open if str(path).endswith(".gz") else open)(path, "rb") as f:
+            header, games = _parse_records(f.read())
     except (UnicodeDecodeError, OSError, EOFError) as e:  # gzip's BadGzipFile is an OSError; a cut .gz ends in EOFError
         raise EvalError(f"{path} cannot be read ({type(e).__name__}): is it an `alfrl eval` output?") from None
     if not games:

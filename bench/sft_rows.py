@@ -74,13 +74,16 @@ def register_fused() -> None:
 
 def step(policy, samples) -> tuple[float, int]:
     """Forward and backward over every row of ``samples`` (as `alfrl sft`'s step, without the optimizer); seconds."""
-    torch.cuda.synchronize() if policy.device.type == "cuda" else None
+    cuda = policy.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
     started = time.perf_counter()
     n_tok = sum(s.trained_tokens for s in samples)
     rows = policy.microbatches(samples, list(range(len(samples))))
     for mb in rows:
         (-policy.logprobs_of(mb).sum() / n_tok).backward()
-    torch.cuda.synchronize() if policy.device.type == "cuda" else None
+    if cuda:
+        torch.cuda.synchronize()
     seconds = time.perf_counter() - started
     for p in policy.trainable_parameters():
         p.grad = None
@@ -156,7 +159,7 @@ def main() -> None:
 
     from alfrl.attention import register
     from alfrl.logprobs import causal_lm_of
-    from alfrl.models import peak_bf16_tflops, update_flops
+    from alfrl.models import parameter_counts, peak_bf16_tflops, update_flops
     from alfrl.policy import LoRAConfig
     from alfrl.ppo import PPOConfig
     from alfrl.sft import ExpertDataModule, SFTPolicy
@@ -173,8 +176,6 @@ def main() -> None:
     dm.setup("fit")
     batches = [dm.next_batch().samples for _ in range(args.warmup + args.steps)]
     lm = causal_lm_of(policy.model)
-    from alfrl.models import parameter_counts
-
     body, head = parameter_counts(policy.model)
     peak = peak_bf16_tflops(torch.cuda.get_device_name()) if cuda else None
     result = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__, "model": args.model,
