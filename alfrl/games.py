@@ -16,6 +16,7 @@ import os
 import random
 import shutil
 import subprocess
+import sys
 import tarfile
 from collections import Counter
 from dataclasses import dataclass
@@ -243,9 +244,11 @@ def prepare_by_download(data_dir: str | os.PathLike | None) -> Path:
     """Run ``alfworld-download`` into ``data_dir`` (needs internet)."""
     root = resolve_data_dir(data_dir)
     root.mkdir(parents=True, exist_ok=True)
-    exe = shutil.which("alfworld-download")
+    # the console script installed beside this interpreter (a venv that is not activated: `make data` after `make setup`)
+    exe = shutil.which("alfworld-download", path=str(Path(sys.executable).parent)) or shutil.which("alfworld-download")
     if exe is None:
-        raise DataError("alfworld-download is not on PATH: install the project (`make setup`) or `pip install alfworld==0.4.2`")
+        raise DataError(f"alfworld-download is neither beside {sys.executable} nor on PATH: install the project (`make setup`) "
+                        "or `pip install alfworld==0.4.2`")
     env = dict(os.environ, ALFWORLD_DATA=str(root))
     result = subprocess.run([exe, "--data-dir", str(root)], env=env)
     if result.returncode != 0:

@@ -70,6 +70,23 @@ def test_prepare_from_an_archive(tmp_path):
         games.prepare_from_archive(tmp_path / "other", tmp_path / "missing.tar.xz")
 
 
+def test_download_runs_the_script_beside_the_interpreter_when_the_venv_is_not_on_path(tmp_path, monkeypatch):
+    # `make data` after `make setup`: alfworld-download sits in .venv/bin, which the user's PATH does not hold
+    bin_dir = tmp_path / "venv" / "bin"
+    bin_dir.mkdir(parents=True)
+    script = bin_dir / "alfworld-download"
+    script.write_text('#!/bin/sh\necho "$@" > "$ALFWORLD_DATA/called"\n')
+    script.chmod(0o755)
+    monkeypatch.setattr(games.sys, "executable", str(bin_dir / "python"))
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    target = games.prepare_by_download(tmp_path / "data")
+    assert target == tmp_path / "data" / "json_2.1.1"
+    assert (tmp_path / "data" / "called").read_text().split() == ["--data-dir", str(tmp_path / "data")]
+    script.unlink()
+    with pytest.raises(DataError, match="alfworld-download is neither beside .* nor on PATH: install the project"):
+        games.prepare_by_download(tmp_path / "data")
+
+
 def test_data_summary_command(data_dir, capfd):
     out = alfrl_here(capfd, "data", "summary", "--data-dir", data_dir, "--json")
     assert out.returncode == 0, out.stderr
