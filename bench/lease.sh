@@ -46,6 +46,10 @@ LANES=${LANES:-warmstart evals fits learn}
 mkdir -p "$W/logs" "$W/results" "$W/runs" "$OUT"
 RUN=$W/runs
 mkdir -p "$W/tmp"
+# DRY=1: the games where `make data` put them (the caller's $ALFWORLD_DATA, else the Makefile's default), and the tiny
+# model of this checkout; `start` hands both to the job, which runs from a copy without .cache
+ALFWORLD_DATA_DRY=${ALFWORLD_DATA_DRY:-${ALFWORLD_DATA:-$HOME/.cache/alfworld}}
+ALFRL_TINY_MODEL=${ALFRL_TINY_MODEL:-$PWD/.cache/tiny-model}
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false ALFWORLD_DATA=$W/alfworld TMPDIR=$W/tmp   # each environment copies a library there
 log() { echo "$(date +%T) $*" | tee -a "$W/logs/lease.log"; }
 timed() {  # timed NAME CMD...: the command's output in logs/NAME.log, its rc and seconds in results/times.txt
@@ -54,8 +58,8 @@ timed() {  # timed NAME CMD...: the command's output in logs/NAME.log, its rc an
   echo "$name rc=$rc seconds=$(( $(date +%s) - s ))" >> "$W/results/times.txt"; log "$name rc=$rc"; return $rc
 }
 if [ "$DRY" = 1 ]; then
-  PY=${PY:-$REPO/.venv/bin/python}; export ALFWORLD_DATA=${ALFWORLD_DATA_DRY:-$REPO/.cache/alfworld} PYTHONPATH=$REPO
-  TINY=${ALFRL_TINY_MODEL:-$REPO/.cache/tiny-model}
+  PY=${PY:-$REPO/.venv/bin/python}; export ALFWORLD_DATA=$ALFWORLD_DATA_DRY PYTHONPATH=$REPO
+  TINY=$ALFRL_TINY_MODEL
   LEARN=recipes/tiny.yaml; SFT=recipes/sft_tiny.yaml; MODEL=(--model.model_name "$TINY"); H200FIT=$LEARN
   SFT_ARGS=(--trainer.max_steps 2 --trainer.accelerator cpu); EXPERT=$REPO/runs/tiny-expert.jsonl; SFT_FAST=(--model.attn_implementation sdpa_varlen)
   EVAL=(--limit-per-split 2 --data.env.num_workers 2); FIT=(--trainer.accelerator cpu --data.env.num_workers 2 --data.games_per_batch 2)
@@ -314,7 +318,7 @@ case "${1:-}" in
     rm -f "$W/done" "$W/stop"; rm -rf "$W/repo" && mkdir -p "$W/repo" && tar -c --exclude=./.git --exclude='./.gpu-*' --exclude=./.venv --exclude=./.cache \
       --exclude=./runs . | tar -x -C "$W/repo" && cp "$0" "$W/lease.sh" || exit 1
     [ "$DRY" = 1 ] && ln -s "$REPO/.venv" "$W/repo/.venv"
-    ALFRL_REPO=$W/repo ALFRL_GPU_WORK=$W LANES="$LANES" DRY=$DRY SFT_STEPS=${SFT_STEPS:-} EVALS="${EVALS:-}" FITS="${FITS:-}" ARM="${ARM:-}" UPTO=${UPTO:-} EVAL_RESERVE_S=${EVAL_RESERVE_S:-300} UNTIL=$(( $(date +%s) + ${UNTIL_S:-1380} )) \
+    ALFRL_REPO=$W/repo ALFRL_GPU_WORK=$W ALFWORLD_DATA_DRY=$ALFWORLD_DATA_DRY ALFRL_TINY_MODEL=$ALFRL_TINY_MODEL LANES="$LANES" DRY=$DRY SFT_STEPS=${SFT_STEPS:-} EVALS="${EVALS:-}" FITS="${FITS:-}" ARM="${ARM:-}" UPTO=${UPTO:-} EVAL_RESERVE_S=${EVAL_RESERVE_S:-300} UNTIL=$(( $(date +%s) + ${UNTIL_S:-1380} )) \
       setsid nohup bash "$W/lease.sh" _run > "$W/logs/job.log" 2>&1 < /dev/null &
     log "started: $LANES" ;;
   _run)
