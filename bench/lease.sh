@@ -33,7 +33,7 @@
 # learning run's compile cache does not hold; then ~80 s of games); fits: 3-update fits of recipes/rl_qwen15b_grpo.yaml at 4 games x 8, 20 steps, data.rollout.deterministic true
 # twice (rollouts and adapters hashed), false, and true with torch's deterministic algorithms, warn_only (FITS="..." picks); learn: the learning run of that recipe (issue "Learning at scale") until UNTIL_S seconds after `start`
 # (ARM=gigpo: the GiGPO arm in its own folder; its last adapter shipped; with learneval in LANES it stops EVAL_RESERVE_S, default 300, earlier); learneval: that adapter's
-# 274-game deterministic evaluation (records and summary shipped); sftspeed: alfrl sft's speed four ways (SFTSPEED="recipe fast expandable compiled", SFTSPEED_STEPS=8; the way `profiled`: fast under Lightning's PyTorchProfiler, its table in results); sftrows: bench/sft_rows.py (a warm-start batch: attention loop, fused varlen, unpacked; ~2 min); recipefit: 3 updates of recipes/qwen15b_coder_h200.yaml (an H200). SFT_STEPS=N: a shorter warm start; EVALS="det_a det_b": those evaluations only.
+# 274-game deterministic evaluation (records and summary shipped); sftspeed: alfrl sft's speed (SFTSPEED="recipe plain compiled", also expandable, SFTSPEED_STEPS=8; the way `profiled`: the recipe under Lightning's PyTorchProfiler, its table in results); sftrows: bench/sft_rows.py (a warm-start batch: attention loop, fused varlen, unpacked; ~2 min); recipefit: 3 updates of recipes/qwen15b_coder_h200.yaml (an H200). SFT_STEPS=N: a shorter warm start; EVALS="det_a det_b": those evaluations only.
 # DRY=1 runs the same lanes on this CPU with the tiny model (hf engine, 2 games a split) to check them before a lease.
 set -uo pipefail
 cd "${ALFRL_REPO:-$(dirname "$0")/..}"
@@ -61,7 +61,7 @@ if [ "$DRY" = 1 ]; then
   PY=${PY:-$REPO/.venv/bin/python}; export ALFWORLD_DATA=$ALFWORLD_DATA_DRY PYTHONPATH=$REPO
   TINY=$ALFRL_TINY_MODEL
   LEARN=recipes/tiny.yaml; SFT=recipes/sft_tiny.yaml; MODEL=(--model.model_name "$TINY"); H200FIT=$LEARN
-  SFT_ARGS=(--trainer.max_steps 2 --trainer.accelerator cpu); EXPERT=$REPO/runs/tiny-expert.jsonl; SFT_FAST=(--model.attn_implementation sdpa_varlen)
+  SFT_ARGS=(--trainer.max_steps 2 --trainer.accelerator cpu); EXPERT=$REPO/runs/tiny-expert.jsonl; SFT_PLAIN=(--model.attn_implementation sdpa)
   EVAL=(--limit-per-split 2 --data.env.num_workers 2); FIT=(--trainer.accelerator cpu --data.env.num_workers 2 --data.games_per_batch 2)
   SFTROWS=(--tokens-per-step 4000 --row-tokens 4000 --steps 2)
 else
@@ -70,7 +70,8 @@ else
   export TRITON_CACHE_DIR=$W/cache/triton VLLM_CACHE_ROOT=$W/cache/vllm TORCHINDUCTOR_CACHE_DIR=$W/cache/inductor
   LEARN=recipes/rl_qwen15b_grpo.yaml; SFT=recipes/sft_qwen15b.yaml; MODEL=(--model.model_name "$W/qwen15b-coder-hf"); H200FIT=recipes/qwen15b_coder_h200.yaml
   SFT_ARGS=(${SFT_STEPS:+--trainer.max_steps $SFT_STEPS}); EXPERT=$W/expert.jsonl
-  SFT_FAST=(--model.attn_implementation sdpa_varlen --model.adapter_dtype bfloat16 --model.ppo.microbatch_tokens 16384)
+  # recipes/sft_qwen15b.yaml has the RL update's packing and bf16 adapter matmuls (since 2026-12-07); its settings before:
+  SFT_PLAIN=(--model.attn_implementation sdpa --model.adapter_dtype float32 --model.ppo.microbatch_tokens 4096)
   # alone on the GPU: 0.85 of it holds every game's KV cache (28 KiB a token, 274 x 12,000 tokens at most)
   EVAL=(--data.engine.gpu_memory_utilization 0.85 --data.env.num_workers 16); FIT=(--data.env.num_workers 16)
   SFTROWS=()
@@ -142,13 +143,12 @@ warmstart() {  # the warm start: alfrl sft on every expert plan; its adapter shi
       || { log "the staged warm start's checksum does not match"; return 1; }
     log "warm start: the staged adapter (no alfrl sft)"; return 0
   fi
-  # the RL update's packing (varlen rows of 16K tokens) and bf16 adapter matmuls (issue "The reference recipe at full speed",
-  # item 3); the recipe's own settings if that fails
+  # the recipe (the RL update's packing and bf16 adapter matmuls); its earlier settings if that fails
   if ! timed sft "${ALFRL[@]}" sft --config "$SFT" "${MODEL[@]}" --data.expert_file "$EXPERT" --trainer.default_root_dir "$RUN/sft" \
-      "${SFT_ARGS[@]}" "${SFT_FAST[@]}"; then
+      "${SFT_ARGS[@]}"; then
     rm -rf "$RUN/sft"
     timed sft_plain "${ALFRL[@]}" sft --config "$SFT" "${MODEL[@]}" --data.expert_file "$EXPERT" --trainer.default_root_dir "$RUN/sft" \
-      "${SFT_ARGS[@]}" || return 1
+      "${SFT_ARGS[@]}" "${SFT_PLAIN[@]}" || return 1
   fi
   cp "$RUN/sft"/csv/version_0/metrics.csv "$W/results/sft.metrics.csv" 2>/dev/null
   gzip -c "$EXPERT" > "$W/expert.jsonl.gz" && cp "$EXPERT.skipped.json" "$W/results/" && ship "$W/expert.jsonl.gz" a_expert.jsonl.gz
@@ -157,19 +157,19 @@ warmstart() {  # the warm start: alfrl sft on every expert plan; its adapter shi
   cp "$last/adapter/adapter_config.json" "$W/results/sft_adapter_config.json"
 }
 
-sftspeed() {  # issue "The reference recipe at full speed", item 3: alfrl sft with the recipe's settings, with the RL update's
-  # (varlen rows of 16K tokens, bf16 adapter), and with those and compiled layers; same plans, seed and steps (SFTSPEED_STEPS,
-  # default 8), no validation; each run's sft/mfu (6N) in results/sftspeed_NAME.metrics.csv
-  # (expandable: fast with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, which the learning run sets and sft did not)
+sftspeed() {  # issue "The reference recipe at full speed", item 3: alfrl sft as the recipe has it (the RL update's varlen rows
+  # of 16K tokens and bf16 adapter), with its earlier settings (plain: sdpa, float32, 4K rows), and the recipe with compiled
+  # layers; same plans, seed and steps (SFTSPEED_STEPS, default 8), no validation; each run's sft/mfu (6N) in
+  # results/sftspeed_NAME.metrics.csv (expandable: the recipe with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, the learning run's)
   local name extra alloc
-  for name in ${SFTSPEED:-recipe fast expandable compiled}; do
+  for name in ${SFTSPEED:-recipe plain compiled}; do
     alloc=expandable_segments:False
-    case $name in recipe) extra=() ;; fast) extra=("${SFT_FAST[@]}") ;; expandable) extra=("${SFT_FAST[@]}"); alloc=expandable_segments:True ;;
-      compiled) extra=("${SFT_FAST[@]}" --model.compile_layers true); alloc=expandable_segments:True ;;
-      profiled) extra=("${SFT_FAST[@]}" --trainer.profiler.class_path lightning.pytorch.profilers.PyTorchProfiler   # steps 3-5 under
+    case $name in recipe) extra=() ;; plain) extra=("${SFT_PLAIN[@]}") ;; expandable) extra=(); alloc=expandable_segments:True ;;
+      compiled) extra=(--model.compile_layers true); alloc=expandable_segments:True ;;
+      profiled) extra=(--trainer.profiler.class_path lightning.pytorch.profilers.PyTorchProfiler   # steps 3-5 under
         --trainer.profiler.init_args.dirpath "$RUN/sftspeed_profiled/prof" --trainer.profiler.init_args.filename sft   # torch.profiler,
         --trainer.profiler.init_args.row_limit 60) ;;                                                                 # GPU time first
-      *) log "sftspeed: no way named $name (recipe fast expandable compiled profiled)"; continue ;; esac
+      *) log "sftspeed: no way named $name (recipe plain expandable compiled profiled)"; continue ;; esac
     timed "sftspeed_$name" env PYTORCH_CUDA_ALLOC_CONF=$alloc "${ALFRL[@]}" sft --config "$SFT" "${MODEL[@]}" --data.expert_file "$EXPERT" "${SFT_ARGS[@]}" "${extra[@]}" \
       --trainer.max_steps "${SFTSPEED_STEPS:-8}" --trainer.limit_val_batches 0 --trainer.default_root_dir "$RUN/sftspeed_$name"
     cp "$RUN/sftspeed_$name"/csv/version_0/metrics.csv "$W/results/sftspeed_$name.metrics.csv" 2>/dev/null
