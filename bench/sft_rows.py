@@ -10,13 +10,15 @@ speed", item 3): one warm-start batch's rows, forward and backward, three ways o
 Each way: ``--warmup`` steps, then ``--steps`` timed (CUDA synchronized), no optimizer step. Written to ``--out`` (JSON)
 and printed: seconds a step, sequence tokens a second, model TFLOP/s and MFU by 6N (alfrl.models), peak memory.
 
-``--host-only`` runs on any machine: the model's structure on PyTorch's meta device (shapes, no data, no arithmetic), so
-the time is the host's alone: Python, dispatch and autograd for the decoder's forward and backward over one batch's
-real rows (the sequence lengths of the expert file), each way (the fused one through varlen_attn's shape function).
-That is the work the CPU must issue however fast the GPU is; where it exceeds the GPU's, the GPU waits.
+``--host-cpu`` runs on any machine: the model's structure (layers, heads, LoRA on every linear) at a width of 96 on this
+CPU, one thread, each of the batch's sequences (the expert file's, packed into its rows) cut to a few tokens: the ATen
+operations of the decoder's forward and backward, counted, and the time the host takes to issue them with next to no
+arithmetic. That is the work the CPU must do however fast the GPU is (CUDA's launch cost comes on top); where it exceeds
+the GPU's, the GPU waits. (PyTorch's meta device, used for this before 2026-12-07f, runs Python meta kernels and
+decompositions: 55% of its time, and 1.1-2.4x the operations; its seconds overstated the host's.)
 
     python bench/sft_rows.py --model .cache/qwen15b-coder-hf --expert .cache/expert/expert_qwen15b_all.jsonl --out sft_rows.json
-    python bench/sft_rows.py --model DIR [--gguf-file F] --expert FILE --host-only --out sft_rows_host.json
+    python bench/sft_rows.py --model DIR [--gguf-file F] --expert FILE --host-cpu --out sft_rows_host.json
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ import time
 import torch
 
 FUSED = "sdpa_varlen_fused"
+HOST_TOKENS = 8
+"""--host-cpu: each sequence's tokens (the operations a row issues depend on its sequences and layers, not their length)."""
 
 
 def fused_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
@@ -39,7 +43,7 @@ def fused_forward(module, query, key, value, attention_mask, dropout: float = 0.
     from alfrl.attention import sdpa_varlen_forward, segment_lengths
 
     position_ids = kwargs.get("position_ids")
-    if (attention_mask is not None or not (query.is_cuda or query.is_meta) or position_ids is None or query.shape[0] != 1
+    if (attention_mask is not None or not query.is_cuda or position_ids is None or query.shape[0] != 1
             or query.shape[2] != key.shape[2] or kwargs.get("sliding_window") is not None):
         return sdpa_varlen_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     lengths = segment_lengths(position_ids)
@@ -90,9 +94,27 @@ def step(policy, samples) -> tuple[float, int]:
     return seconds, len(rows)
 
 
-def host_only(args) -> dict:
-    """Host seconds of the decoder's forward and backward over one batch's rows, each way, on the meta device."""
-    import transformers.masking_utils as masking
+class _CountOps:
+    """A dispatch mode counting the ATen operations run under it (forward and backward)."""
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counter = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                counter.n += 1
+                return func(*args, **(kwargs or {}))
+
+        self.n, self.mode = 0, Mode()
+
+
+def host_cpu(args) -> dict:
+    """Host seconds of the decoder's forward and backward over one batch's rows, each way, on this CPU (one thread) with
+    the model's structure (layers, heads, LoRA r32 on every linear) at a width of 96 and every sequence cut to
+    ``HOST_TOKENS`` tokens: the operations a GPU's host issues, with next to no arithmetic; CUDA's own launch cost is not
+    in it. The fused way needs CUDA (its attention is one call a layer, as a row of one sequence)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -101,39 +123,47 @@ def host_only(args) -> dict:
     from alfrl.sft import ExpertDataModule
 
     register()
-    register_fused()
-    # transformers looks for packed sequences by reading position_ids (a meta tensor holds no values); alfrl's attention
-    # finds them itself (segment_lengths, given below as the loop would compute them)
-    masking.find_packed_sequence_indices = lambda *a, **k: None
+    torch.set_num_threads(1)
     kwargs = {"gguf_file": args.gguf_file} if args.gguf_file else {}
     config = AutoConfig.from_pretrained(args.model, **kwargs)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.bfloat16)
-    model = get_peft_model(model, LoraConfig(r=32, lora_alpha=64, target_modules="all-linear"))
+    shape = {k: getattr(config, k) for k in ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "hidden_size",
+                                             "intermediate_size", "vocab_size")}
+    config.hidden_size, config.intermediate_size, config.vocab_size, config.pad_token_id = 96, 128, 512, 0
+    config.head_dim = 96 // config.num_attention_heads
+    model = get_peft_model(AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16),
+                           LoraConfig(r=32, lora_alpha=64, target_modules="all-linear"))
     model.train()
+    model.get_base_model().set_attn_implementation("sdpa_varlen")
     decoder = model.get_base_model().get_decoder()
     dm = ExpertDataModule(args.expert, validation_fraction=0.0, tokens_per_step=args.tokens_per_step)
     dm.setup("fit")
-    samples = dm.next_batch().samples
-    lengths = [len(s) for s in samples]
-    result = {"device": "meta (host time only)", "torch": torch.__version__, "model": args.model, "row_tokens": args.row_tokens,
-              "sequences": len(lengths), "sequence_tokens": sum(lengths), "ways": {}}
+    lengths = [len(s) for s in dm.next_batch().samples]
+    result = {"device": f"cpu, 1 thread, width 96, sequences cut to {HOST_TOKENS} tokens (host time only)", "torch": torch.__version__,
+              "model": args.model, "structure": shape, "row_tokens": args.row_tokens, "sequences": len(lengths),
+              "sequence_tokens": sum(lengths), "ways": {}}
+
+    def batch(rows):
+        for row in rows:
+            pos = torch.arange(HOST_TOKENS).repeat(len(row)).unsqueeze(0)
+            hidden = decoder(input_ids=torch.zeros_like(pos), position_ids=pos, use_cache=False).last_hidden_state
+            hidden.float().sum().backward()
+
     for way in args.ways.split(","):
-        model.get_base_model().set_attn_implementation(FUSED if way == "fused" else "sdpa_varlen")
-        rows = [[lengths[i] for i in row] for row in pack_microbatches(lengths, args.row_tokens, pack=way != "unpacked")]
-        best = None
+        if way == "fused":
+            result["ways"][way] = {"skipped": "varlen_attn runs on CUDA only"}
+            continue
+        rows = pack_microbatches(lengths, args.row_tokens, pack=way != "unpacked")
+        count = _CountOps()
+        with count.mode:
+            batch(rows)
+        times = []
         for _ in range(args.warmup + args.steps):
             started = time.perf_counter()
-            for row in rows:
-                ids = torch.zeros((1, sum(row)), dtype=torch.long, device="meta")
-                pos = torch.zeros((1, sum(row)), dtype=torch.long, device="meta")
-                pos._alfrl_segments = tuple(row)
-                hidden = decoder(input_ids=ids, position_ids=pos, use_cache=False).last_hidden_state
-                hidden.float().sum().backward()
-            seconds = time.perf_counter() - started
-            best = seconds if best is None else min(best, seconds)
-        result["ways"][way] = {"rows": len(rows), "host_seconds": best}
-        print(f"{way}: {len(rows)} rows, host time {best:.3f} s for the batch's decoder forward and backward")
+            batch(rows)
+            times.append(time.perf_counter() - started)
+        best = min(times[args.warmup:])
+        result["ways"][way] = {"rows": len(rows), "aten_ops": count.n, "host_seconds": best, "microseconds_per_op": best / count.n * 1e6}
+        print(f"{way}: {len(rows)} rows, {count.n} operations, host time {best:.3f} s for the batch's decoder forward and backward")
     return result
 
 
@@ -146,12 +176,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--ways", default="loop,fused,unpacked")
-    ap.add_argument("--host-only", action="store_true", help="the host's time alone, on the meta device (any machine)")
-    ap.add_argument("--gguf-file", default=None, help="with --host-only: read the model's structure from this GGUF in --model")
+    ap.add_argument("--host-cpu", action="store_true", help="the host's time alone: the structure at a tiny width on this CPU")
+    ap.add_argument("--gguf-file", default=None, help="with --host-cpu: read the model's structure from this GGUF in --model")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    if args.host_only:
-        result = host_only(args)
+    if args.host_cpu:
+        result = host_cpu(args)
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
         print(f"written: {args.out}")
