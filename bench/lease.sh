@@ -33,7 +33,7 @@
 # learning run's compile cache does not hold; then ~80 s of games); fits: 3-update fits of recipes/rl_qwen15b_grpo.yaml at 4 games x 8, 20 steps, data.rollout.deterministic true
 # twice (rollouts and adapters hashed), false, and true with torch's deterministic algorithms, warn_only (FITS="..." picks); learn: the learning run of that recipe (issue "Learning at scale") until UNTIL_S seconds after `start`
 # (ARM=gigpo: the GiGPO arm in its own folder; its last adapter shipped; with learneval in LANES it stops EVAL_RESERVE_S, default 300, earlier); learneval: that adapter's
-# 274-game deterministic evaluation (records and summary shipped); sftspeed: alfrl sft's speed (SFTSPEED="recipe plain compiled", also expandable, SFTSPEED_STEPS=8; the way `profiled`: the recipe under Lightning's PyTorchProfiler, its table in results); sftrows: bench/sft_rows.py (a warm-start batch: attention loop, fused varlen, unpacked; ~2 min); recipefit: 3 updates of recipes/qwen15b_coder_h200.yaml (an H200). SFT_STEPS=N: a shorter warm start; EVALS="det_a det_b": those evaluations only.
+# 274-game deterministic evaluation (records and summary shipped); sftspeed: alfrl sft's speed (SFTSPEED="recipe plain compiled", also expandable, SFTSPEED_STEPS=8; the way `profiled`: the recipe under Lightning's PyTorchProfiler, its table in results); sftrows: bench/sft_rows.py (a warm-start batch: attention loop, fused varlen, unpacked; ~2 min); updateprof: the learning run's update alone, profiled (~3 min); recipefit: 3 updates of recipes/qwen15b_coder_h200.yaml (an H200). SFT_STEPS=N: a shorter warm start; EVALS="det_a det_b": those evaluations only.
 # DRY=1 runs the same lanes on this CPU with the tiny model (hf engine, 2 games a split) to check them before a lease.
 set -uo pipefail
 cd "${ALFRL_REPO:-$(dirname "$0")/..}"
@@ -63,7 +63,7 @@ if [ "$DRY" = 1 ]; then
   LEARN=recipes/tiny.yaml; SFT=recipes/sft_tiny.yaml; MODEL=(--model.model_name "$TINY"); H200FIT=$LEARN
   SFT_ARGS=(--trainer.max_steps 2 --trainer.accelerator cpu); EXPERT=$REPO/runs/tiny-expert.jsonl; SFT_PLAIN=(--model.attn_implementation sdpa)
   EVAL=(--limit-per-split 2 --data.env.num_workers 2); FIT=(--trainer.accelerator cpu --data.env.num_workers 2 --data.games_per_batch 2)
-  SFTROWS=(--tokens-per-step 4000 --row-tokens 4000 --steps 2)
+  SFTROWS=(--tokens-per-step 4000 --row-tokens 4000 --steps 2); UPDATEPROF=(--dry)
 else
   PY=python3
   export PYTHONPATH=/tmp/site:$REPO NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -74,7 +74,7 @@ else
   SFT_PLAIN=(--model.attn_implementation sdpa --model.adapter_dtype float32 --model.ppo.microbatch_tokens 4096)
   # alone on the GPU: 0.85 of it holds every game's KV cache (28 KiB a token, 274 x 12,000 tokens at most)
   EVAL=(--data.engine.gpu_memory_utilization 0.85 --data.env.num_workers 16); FIT=(--data.env.num_workers 16)
-  SFTROWS=()
+  SFTROWS=(); UPDATEPROF=(--lengths 4000 11000)   # the 50-step learning run's trajectories averaged ~7,000 tokens
 fi
 ALFRL=("$PY" -m alfrl.cli)
 # the learning run's arm (issue "Learning at scale"): ARM=gigpo runs the GiGPO arm (recipes/rl_qwen15b_gigpo.yaml, the arm
@@ -213,6 +213,14 @@ fits() {  # 3-update fits from the warm start (4 games x 8, 20 steps: the lease'
 sftrows() {  # issue "The reference recipe at full speed", item 3: one warm-start batch's rows three ways (bench/sft_rows.py:
   # the per-sequence attention loop as alfrl sft runs it, torch's fused varlen attention, one sequence a row), same weights
   timed sftrows "$PY" bench/sft_rows.py --model "${MODEL[1]}" --expert "$EXPERT" --out "$W/results/sft_rows.json" "${SFTROWS[@]}" || true
+}
+
+updateprof() {  # is the learning run's update host-bound? (issues "The reference recipe at full speed" and "Learning at scale"):
+  # bench/update_alone.py on random weights of the model's shape, 64 synthetic trajectories: the H100 learning recipes'
+  # update (4,096-token budget: a trajectory a row, bf16 adapter) and the H200 recipe's (16K rows, compiled layers); the
+  # first once more under torch.profiler: its kernels' busy share of the wall clock (below 1: the GPU waited). ~3 min
+  timed updateprof "$PY" bench/update_alone.py --config "${MODEL[1]}" "${UPDATEPROF[@]}" --variants varlen_rows4096_bf16 \
+    varlen_rows16384_bf16_compiled --profile "$W/results/updateprof_profile.txt" --out "$W/results/updateprof.json" || true
 }
 
 recipefit() {  # 3 updates of recipes/qwen15b_coder_h200.yaml as it stands (16,384-token rows: an H200's memory), from the warm start

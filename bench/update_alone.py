@@ -57,7 +57,12 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--variants", nargs="+", default=None, help="UPDATE_VARIANTS names (default: all)")
     parser.add_argument("--sequences", type=int, default=64)
+    parser.add_argument("--lengths", type=int, nargs=2, default=(3000, 7200), metavar=("LOW", "HIGH"),
+                        help="each sequence's tokens, uniform in [LOW, HIGH] (the 50-step learning run's averaged ~7,000)")
     parser.add_argument("--dry", action="store_true", help="CPU: a small config, short sequences")
+    parser.add_argument("--profile", default=None, metavar="TXT", help="one variant once more under torch.profiler: its tables "
+                        "here, its kernels' busy share of the wall clock in --out (below 1: the GPU waited for the host)")
+    parser.add_argument("--profile-variant", default=None, help="the variant profiled (default: the first of --variants)")
     args = parser.parse_args()
     by_name = {v[0]: v for v in UPDATE_VARIANTS}
     unknown = [n for n in args.variants or [] if n not in by_name]
@@ -100,10 +105,11 @@ def main() -> None:
         if cuda:
             policy.to("cuda")
         report["model_seconds"] = time.perf_counter() - started
-        low, high = (3000, 7200) if not args.dry else (60, 120)
+        low, high = tuple(args.lengths) if not args.dry else (60, 120)
         samples = synthetic_samples(args.sequences if not args.dry else 4, low, high, config.vocab_size)
         save()
-        update_phase(policy, samples, 1.0, variants, on_run=save)
+        update_phase(policy, samples, 1.0, variants, on_run=save, profile_path=args.profile,
+                     profile_variant=args.profile_variant or variants[0][0])
     save()
     for run in report["update"]["runs"]:
         failed = run.get("error", "").strip().splitlines()[-1:]

@@ -30,6 +30,7 @@ def model_flops(policy) -> tuple[float, float]:
 
 UPDATE_VARIANTS = (  # (name, attention, micro-batch tokens, gradient checkpointing, float32 matmul precision, adapter dtype,
     # compiled layers), the same samples
+    ("varlen_rows4096_bf16", "sdpa_varlen", 4096, False, "highest", "bfloat16", False),  # the H100 learning recipes (rl_qwen15b_grpo / gigpo)
     ("varlen_rows16384", "sdpa_varlen", 16384, False, "highest", "float32", False),  # the 1.5B recipes since 2026-12-01
     ("varlen_rows16384_tf32", "sdpa_varlen", 16384, False, "high", "float32", False),  # the LoRA's float32 matmuls on TF32
     ("varlen_rows16384_bf16", "sdpa_varlen", 16384, False, "highest", "bfloat16", False),  # the adapter in bf16 (autocast)
@@ -89,7 +90,8 @@ def _apply_variant(policy, attn: str, rows: int, ckpt: bool, precision: str, ada
     policy.hparams.ppo = dataclasses.replace(policy.ppo, microbatch_tokens=rows)
 
 
-def update_phase(policy, samples, temperature: float, variants=UPDATE_VARIANTS, profile_path: str | None = None, on_run=None) -> dict:
+def update_phase(policy, samples, temperature: float, variants=UPDATE_VARIANTS, profile_path: str | None = None, on_run=None,
+                 profile_variant: str = PROFILED_VARIANT) -> dict:
     """One warm-up update, then one PPO update per variant (attention, row size, checkpointing) on the same samples,
     the sampler's log-probs as old ones (the recipes'); and the first row's log-probs under sdpa and sdpa_varlen.
     ``on_run(figures so far)`` after each run (a caller saves them: a run cut short keeps what finished)."""
@@ -154,7 +156,7 @@ def update_phase(policy, samples, temperature: float, variants=UPDATE_VARIANTS, 
         try:
             from torch.profiler import ProfilerActivity, profile
 
-            name, *settings = next((v for v in variants if v[0] == PROFILED_VARIANT), variants[0])
+            name, *settings = next((v for v in variants if v[0] == profile_variant), variants[0])
             _apply_variant(policy, *settings)
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
             with profile(activities=activities) as prof:
@@ -168,9 +170,13 @@ def update_phase(policy, samples, temperature: float, variants=UPDATE_VARIANTS, 
 
 
 def profile_tables(prof, wall: float, path: str, what: str, mode: str = "w") -> dict:
-    """Kernel and operator tables of a finished torch.profiler run into ``path``; its device time and busy share."""
+    """Kernel and operator tables of a finished torch.profiler run into ``path``; its device time and busy share: the
+    kernels' own time (events on the device; an operator's row repeats its kernels' time, so operators are not summed:
+    before 2026-12-07f they were, and the update's busy share of 2026-12-02f read 1.43 where its kernels were 0.71)."""
+    from torch.autograd import DeviceType
+
     events = prof.key_averages()
-    device_us = sum(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0)) for e in events)
+    device_us = sum(e.self_device_time_total for e in events if e.device_type == DeviceType.CUDA)
     with open(path, mode) as f:
         f.write(f"{what}: wall {wall:.3f} s, device kernels {device_us / 1e6:.3f} s\n\n")
         for key in ("self_device_time_total", "self_cpu_time_total", "cpu_time_total"):
