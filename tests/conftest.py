@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from alfrl.games import DATA_SUBDIR, discover_games, prepare_from_archive, resolve_data_dir
+from alfrl.games import DATA_SUBDIR, discover_games, prepare_from_archive, resolve_data_dir, shuffled
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -46,6 +46,14 @@ def tiny_model_dir(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def random_model_dir(tmp_path_factory) -> str:
+    """The tiny architecture with random weights (no pretraining): embeddings nearly orthogonal."""
+    from alfrl.tiny import write_tiny_model
+
+    return str(write_tiny_model(tmp_path_factory.mktemp("random") / "model", seed=0, pretrain_steps=0))
+
+
+@pytest.fixture(scope="session")
 def qwen35_small_dir(tmp_path_factory) -> str:
     """A random-weight checkpoint of Qwen3.5's structure (vision-language, Gated DeltaNet + full attention), small."""
     from alfrl.shapes import write_random_model
@@ -67,3 +75,23 @@ def one_game_per_task(games, split):
         if g.split == split and g.task_type not in seen:
             seen[g.task_type] = g
     return [seen[t] for t in sorted(seen)]
+
+
+@pytest.fixture(scope="module")
+def expert(data_dir, tiny_tokenizer, tmp_path_factory):
+    """10 training games' expert plans replayed through the action_tag protocol (8 steps) into a file, with the tiny
+    tokenizer: (games, chat format, the file, the replay's result)."""
+    from alfrl.chat import chat_format
+    from alfrl.envs import EnvPool
+    from alfrl.expert import replay
+    from alfrl.rewards import RewardConfig
+    from alfrl.rollout import RolloutRunner
+    from tests.helpers import EXPERT_CFG
+
+    games = sorted(shuffled(discover_games(data_dir, ["train"]), 7)[:10], key=lambda g: g.id)
+    fmt = chat_format(tiny_tokenizer, "action_tag")
+    out = tmp_path_factory.mktemp("expert") / "expert.jsonl"
+    with EnvPool(num_workers=2) as pool:
+        result = replay(lambda engine: RolloutRunner(engine, pool, fmt, EXPERT_CFG, RewardConfig()), fmt, games,
+                        EXPERT_CFG.max_episode_steps, out, chunk=4)
+    return games, fmt, out, result

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from alfrl import protocol
 from alfrl.chat import ChatFormat
 from alfrl.engines import Completion, InProcessEngine, SamplingRequest
+from alfrl.rollout import RolloutConfig
 
 _PLAN = re.compile(r"plan (\d+)\.")
 _STEP = re.compile(r"You are now at step (\d+)\.")
@@ -169,3 +170,35 @@ def alfrl_here(capfd, *args: str) -> subprocess.CompletedProcess:
 
 
 EMPTY_SAFETENSORS = b"\x02\x00\x00\x00\x00\x00\x00\x00{}"  # a whole safetensors file that holds no tensor
+
+
+def tail_sample(ids, trained_from, advantage, group=0, traj=0, sampler_logprob=-1.0):
+    """A training sample whose tokens ``trained_from`` .. end were sampled in one turn, each with the sampler log-prob given."""
+    from alfrl.advantages import sample_of
+    from alfrl.types import TokenSequence
+
+    n = len(ids)
+    seq = TokenSequence(tuple(ids), tuple(sampler_logprob if i >= trained_from else 0.0 for i in range(n)), ((0, trained_from, n),))
+    return sample_of(seq, [advantage], group, traj)
+
+
+# four games of alfrl eval's records, written by hand: 2 wins of 4 (seen 2/3, unseen 0/1), exact figures known
+def _turn(valid, admissible):
+    return {"valid_format": valid, "admissible": admissible}
+
+
+HAND_MADE = [
+    {"type": "game", "game_id": "valid_seen:a", "split": "valid_seen", "task_type": "pick_and_place_simple", "won": True, "steps": 2,
+     "invalid_actions": 0, "stop_reason": "won", "reward": 1.0, "turns": [_turn(True, True), _turn(True, True)]},
+    {"type": "game", "game_id": "valid_seen:b", "split": "valid_seen", "task_type": "pick_and_place_simple", "won": False, "steps": 4,
+     "invalid_actions": 2, "stop_reason": "max_steps", "reward": -0.2, "turns": [_turn(False, False), _turn(True, False), _turn(True, True), _turn(True, True)]},
+    {"type": "game", "game_id": "valid_seen:c", "split": "valid_seen", "task_type": "look_at_obj_in_light", "won": True, "steps": 3,
+     "invalid_actions": 1, "stop_reason": "won", "reward": 0.9, "turns": [_turn(True, False), _turn(True, True), _turn(True, True)]},
+    {"type": "game", "game_id": "valid_unseen:d", "split": "valid_unseen", "task_type": "look_at_obj_in_light", "won": False, "steps": 1,
+     "invalid_actions": 1, "stop_reason": "trajectory_too_long", "reward": -0.1, "turns": [_turn(False, False)]},
+]
+
+
+EXPERT_CFG = RolloutConfig(action_format="action_tag", max_episode_steps=8, max_trajectory_tokens=6000, max_assistant_tokens=200)
+"""The protocol the expert plans of the ``expert`` fixture (conftest.py) are replayed through."""
+

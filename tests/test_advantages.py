@@ -4,8 +4,9 @@ import dataclasses
 import math
 
 import pytest
+import torch
 
-from alfrl.advantages import AdvantageConfig, group_advantages, hgpo_step_advantages, make_samples, normalise
+from alfrl.advantages import AdvantageConfig, group_advantages, hgpo_step_advantages, make_samples, normalise, sample_of
 from alfrl.games import Game
 from alfrl.rewards import RewardConfig
 from alfrl.types import TokenSequence, TrajectoryGroup
@@ -114,3 +115,15 @@ def test_the_repeated_state_share_counts_the_turns_in_gigpo_step_groups_of_two_o
     steps = [[a - e for a, e in zip(row, erow)] for row, erow in zip(adv, episode)]
     assert steps[0][1] == 0.0 and steps[1][1] == 0.0  # b and d: singleton step groups, no step advantage
     assert steps[0][0] != 0.0 and steps[0][2] != 0.0  # a and c: step groups of two with different returns
+
+
+def test_samples_are_shifted_once_with_every_length_checked():
+    seq = TokenSequence((5, 6, 7, 8, 9, 10), (0.0, 0.0, -0.1, -0.2, 0.0, -0.3), ((0, 2, 4), (1, 5, 6)))
+    s = sample_of(seq, [0.5, -1.0], 3, 4)
+    # token 2 and 3 were sampled in turn 0, token 5 in turn 1: positions 1, 2 and 4 predict them
+    assert s.loss_mask_T.tolist() == [False, True, True, False, True, False]
+    assert s.sampler_logprobs_T.tolist() == pytest.approx([0.0, -0.1, -0.2, 0.0, -0.3, 0.0])
+    assert s.advantages_T.tolist() == [0.0, 0.5, 0.5, 0.0, -1.0, 0.0]
+    assert torch.roll(s.token_ids_T, -1)[s.loss_mask_T].tolist() == [7, 8, 10]
+    with pytest.raises(AssertionError, match="5 sampler log-probs for 6 token ids"):
+        sample_of(TokenSequence((1, 2, 3, 4, 5, 6), (0.0,) * 5, ((0, 2, 3),)), [0.0], 0, 0)

@@ -35,6 +35,20 @@ def test_every_module_is_in_the_layout_and_every_named_module_exists():
         assert (ROOT / folder).is_dir(), f"README's Layout names {folder}/, which does not exist"
 
 
+ACROSS_MODULES = {"test_eval.py", "test_recipes.py", "test_train.py", "test_ddp.py", "test_faults.py", "test_stepwise.py", "test_layout.py"}
+"""Test files named after no single module (docs/layout.md says what each covers)."""
+
+
+def test_test_files_mirror_the_modules():
+    # tests/test_X.py tests alfrl/X.py or callbacks/X.py: a reader changing a module finds its tests by its name
+    modules = {p.stem for folder in ("alfrl", "callbacks") for p in (ROOT / folder).glob("*.py")}
+    strays = sorted(p.name for p in (ROOT / "tests").glob("test_*.py")
+                    if p.stem.removeprefix("test_") not in modules and p.name not in ACROSS_MODULES)
+    assert not strays, f"tests named after no module: {strays}: name them test_<module>.py, or list them in ACROSS_MODULES and docs/layout.md"
+    layout = (ROOT / "docs" / "layout.md").read_text()
+    assert all(name in layout for name in ACROSS_MODULES), "docs/layout.md names every test file that covers several modules"
+
+
 def test_callbacks_hold_only_callback_classes():
     for path in (ROOT / "callbacks").glob("*.py"):
         tops = re.findall(r"^(def|class) (\w+)", path.read_text(), flags=re.M)

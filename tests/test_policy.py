@@ -1,27 +1,15 @@
-"""The LoRA policy: chunked log-probs, one PPO update's direction, merged weights for the sampler."""
-
-import math
+"""The LoRA policy (alfrl.policy): which weights train, merged weights for the sampler, adapters loaded back, Qwen3.5's
+hybrid layers, the float32 matmul precision, the adapter's dtype and compiled layers. The update itself: test_ppo.py."""
 
 import pytest
 import torch
 
-from alfrl.advantages import sample_of
 from alfrl.logprobs import predicted_logprobs
-from alfrl.models import parameter_counts, peak_bf16_tflops, update_flops
-from alfrl.policy import AlfrlPolicy
-from alfrl.ppo import PPOConfig, collate, pack_microbatches, ppo_update
-from alfrl.policy import LoRAConfig, OptimizerConfig
-from alfrl.types import TokenSequence
+from alfrl.policy import AlfrlPolicy, LoRAConfig, OptimizerConfig
+from alfrl.ppo import PPOConfig, collate, ppo_update
+from tests.helpers import tail_sample
 
 LORA8 = LoRAConfig(rank=8, alpha=16)
-
-
-@pytest.fixture(scope="module")
-def random_model_dir(tmp_path_factory):
-    """The tiny architecture with random weights (no pretraining): embeddings nearly orthogonal."""
-    from alfrl.tiny import write_tiny_model
-
-    return str(write_tiny_model(tmp_path_factory.mktemp("random") / "model", seed=0, pretrain_steps=0))
 
 
 @pytest.fixture()
@@ -34,122 +22,6 @@ def policy(tiny_model_dir):
         if "lora_B" in name:
             param.data.normal_(0, 0.02)
     return p
-
-
-def _sample(ids, trained_from, advantage, group=0, traj=0, sampler_logprob=-1.0):
-    """Tokens ``trained_from`` .. end sampled in one turn, each with the sampler log-prob given."""
-    n = len(ids)
-    seq = TokenSequence(tuple(ids), tuple(sampler_logprob if i >= trained_from else 0.0 for i in range(n)), ((0, trained_from, n),))
-    return sample_of(seq, [advantage], group, traj)
-
-
-def test_chunked_logprobs_equal_full_logits(policy):
-    torch.manual_seed(1)
-    ids = torch.randint(0, 1000, (2, 40))
-    predict = torch.ones_like(ids, dtype=torch.bool)
-    predict[:, :4] = False
-    predict[:, -1] = False
-    chunked = predicted_logprobs(policy.model, ids, predict, chunk_size=7)
-    logits = policy.model(input_ids=ids).logits[:, :-1].float()
-    full = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)[predict[:, :-1]]
-    assert chunked.shape == full.shape
-    assert torch.allclose(chunked, full, atol=1e-5)
-
-
-def test_sequences_packed_in_one_row_score_as_if_alone(policy):
-    # no padding: three sequences share a row, position ids restart, attention stays inside each
-    torch.manual_seed(3)
-    samples = [_sample(torch.randint(0, 1000, (n,)).tolist(), n // 2, 1.0, traj=k) for k, n in enumerate((17, 30, 9))]
-    row = collate(samples, [0, 1, 2], "cpu")
-    assert row.input_ids.shape == (1, 56) and row.position_ids[0, 17].item() == 0 and row.position_ids[0, 47].item() == 0
-    packed = policy.logprobs_of(row)
-    alone = torch.cat([policy.logprobs_of(collate(samples, [i], "cpu")) for i in range(3)])
-    assert packed.shape == alone.shape == (sum(s.trained_tokens for s in samples),)
-    assert torch.allclose(packed, alone, atol=1e-5)
-
-
-def test_one_update_raises_positive_and_lowers_negative_advantage_tokens(random_model_dir):
-    # as in a group: the same prompts, answered with different tokens, one answer rewarded, one not
-    policy = AlfrlPolicy(model_name=random_model_dir, dtype="float32", lora=LORA8, ppo=PPOConfig(old_logprobs="recompute"))
-    policy.configure_model()
-    torch.manual_seed(2)
-    samples = []
-    for k in range(3):
-        prompt = torch.randint(0, 1000, (20,)).tolist()
-        samples.append(_sample(prompt + [100 + k], 20, +1.0, traj=2 * k))
-        samples.append(_sample(prompt + [300 + k], 20, -1.0, traj=2 * k + 1))
-    before = [float(lp.sum()) for lp in policy.old_logprobs(samples)]
-    optimizer = torch.optim.AdamW(policy.trainable_parameters(), lr=1e-4)
-    stats = ppo_update(policy, optimizer, samples)
-    after = [float(lp.sum()) for lp in policy.old_logprobs(samples)]
-    for i, sample in enumerate(samples):
-        if sample.advantages_T[-2] > 0:
-            assert after[i] > before[i], f"positive sample {i}: {before[i]:.4f} -> {after[i]:.4f}"
-        else:
-            assert after[i] < before[i], f"negative sample {i}: {before[i]:.4f} -> {after[i]:.4f}"
-    assert stats["trained_tokens"] == 6
-    assert stats["clip_fraction"] == 0.0 and stats["ratio_mean"] == pytest.approx(1.0)  # first epoch: ratio 1
-    assert stats["grad_norm"] > 0
-    # 6N over the update and 2N for the trainer's old log-probs (old_logprobs: recompute), per second of both; no MFU
-    # on a device without a known peak
-    body, head = parameter_counts(policy.model)
-    seconds = stats["old_logprob_seconds"] + stats["update_seconds"]
-    assert stats["model_tflops"] * seconds * 1e12 == pytest.approx(8 * (body * 6 * 21 + head * 6), rel=1e-3)
-    assert "mfu" not in stats
-
-
-def test_flop_counts_and_known_peaks(random_model_dir):
-    from transformers import AutoModelForCausalLM
-
-    lm = AutoModelForCausalLM.from_pretrained(random_model_dir, dtype=torch.float32)
-    body, head = parameter_counts(lm)
-    embed = lm.get_input_embeddings().weight.numel()
-    tied = lm.get_output_embeddings().weight is lm.get_input_embeddings().weight
-    assert head == lm.get_output_embeddings().weight.numel()
-    assert body == sum(p.numel() for p in lm.parameters()) - embed - (0 if tied else head)
-    assert update_flops(10.0, 2.0, 100, 5) == 6 * (10 * 100 + 2 * 5)
-    # the recompute is the decoder layers' forward (the body on every token), not the output layer's
-    assert update_flops(10.0, 2.0, 100, 5, passes=2, recompute=True, scored=True) == (12 + 2) * (10 * 100 + 2 * 5) + 4 * 10 * 100
-    assert peak_bf16_tflops("NVIDIA H200") == 989.0 and peak_bf16_tflops("NVIDIA H100 PCIe") == 756.0
-    assert peak_bf16_tflops("NVIDIA H100 80GB HBM3") == 989.0 and peak_bf16_tflops("NVIDIA A100-SXM4-80GB") == 312.0
-    assert peak_bf16_tflops("NVIDIA GeForce RTX 4090") is None
-
-
-def test_sampler_old_logprobs_make_the_clip_bound_the_sampler_trainer_mismatch(random_model_dir):
-    # the seed's convention: PPO's old log-probs are the rollout's. Here the "sampler" put every token
-    # 0.5 nats below the trainer, so the first ratio is e^0.5 = 1.65, outside [0.8, 1.2]: positive
-    # advantages are clipped (no gradient), negative ones train (and the dual clip 3 does not bind).
-    policy = AlfrlPolicy(model_name=random_model_dir, dtype="float32", lora=LORA8)
-    assert policy.ppo.old_logprobs == "sampler"
-    policy.configure_model()
-    torch.manual_seed(2)
-    prompt = torch.randint(0, 1000, (20,)).tolist()
-    probe = [_sample(prompt + [100 + k], 20, 1.0) for k in range(2)]
-    trainer_lp = [float(policy.logprobs_of(collate(probe, [k], "cpu"))[0]) for k in range(2)]
-    samples = [_sample(prompt + [100 + k], 20, adv, traj=k, sampler_logprob=lp - 0.5)
-               for k, (adv, lp) in enumerate(zip((1.0, -1.0), trainer_lp))]
-    stats = ppo_update(policy, torch.optim.AdamW(policy.trainable_parameters(), lr=1e-4), samples)
-    assert stats["ratio_mean"] == pytest.approx(math.exp(0.5), rel=1e-4)
-    assert stats["clip_fraction"] == 0.5 and stats["dual_clip_fraction"] == 0.0
-    assert stats["sampler_minus_trainer_logprob"] == pytest.approx(-0.5, abs=1e-5)  # measured before the optimizer step
-
-
-@pytest.mark.parametrize("checkpointing", [True, False])
-def test_an_update_trains_in_train_mode_and_gradient_checkpointing_recomputes(random_model_dir, checkpointing):
-    # from_pretrained leaves the base model in eval mode and Lightning keeps submodules' modes: before the fix the
-    # decoder layers never saw training=True, so gradient_checkpointing: true recomputed nothing
-    policy = AlfrlPolicy(model_name=random_model_dir, dtype="float32", lora=LORA8, gradient_checkpointing=checkpointing)
-    policy.configure_model()
-    layer = policy.model.get_base_model().model.layers[0]
-    assert not layer.training  # as transformers hands it over
-    calls, forward = [], layer.mlp.forward
-    layer.mlp.forward = lambda *a, **k: calls.append(layer.training) or forward(*a, **k)
-    torch.manual_seed(2)
-    samples = [_sample(torch.randint(0, 1000, (24,)).tolist(), 12, 1.0 - 2 * k, traj=k) for k in range(2)]
-    ppo_update(policy, torch.optim.AdamW(policy.trainable_parameters(), lr=1e-4), samples)
-    assert calls and all(calls)  # every forward of the update ran in train mode
-    rows = len(policy.microbatches(samples, [0, 1]))
-    assert len(calls) == rows * (2 if checkpointing else 1)  # checkpointed: the backward ran each layer again
 
 
 def test_only_lora_weights_train(policy):
@@ -178,28 +50,6 @@ def test_lora_targets_every_qwen3_projection(policy):
     targeted = {name.split(".")[-2] for name, _ in policy.merged_weights()}
     assert targeted == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
     assert len(dict(policy.merged_weights())) == 2 * 7  # every projection of both layers, not the output layer
-
-
-def test_pack_microbatches_respects_the_budget_without_padding():
-    lengths = [100, 5000, 300, 12000, 200, 600]
-    rows = pack_microbatches(lengths, 1000)
-    assert sorted(i for b in rows for i in b) == list(range(6))
-    for b in rows:
-        assert len(b) == 1 or sum(lengths[i] for i in b) <= 1000  # the row's tokens, not count x longest
-    assert [0, 4, 2] in rows and [3] in rows  # short ones share a row; a 12K-token trajectory is a row of its own
-    assert pack_microbatches(lengths, 1000, pack=False) == [[0], [4], [2], [5], [1], [3]]
-
-
-def test_samples_are_shifted_once_with_every_length_checked():
-    seq = TokenSequence((5, 6, 7, 8, 9, 10), (0.0, 0.0, -0.1, -0.2, 0.0, -0.3), ((0, 2, 4), (1, 5, 6)))
-    s = sample_of(seq, [0.5, -1.0], 3, 4)
-    # token 2 and 3 were sampled in turn 0, token 5 in turn 1: positions 1, 2 and 4 predict them
-    assert s.loss_mask_T.tolist() == [False, True, True, False, True, False]
-    assert s.sampler_logprobs_T.tolist() == pytest.approx([0.0, -0.1, -0.2, 0.0, -0.3, 0.0])
-    assert s.advantages_T.tolist() == [0.0, 0.5, 0.5, 0.0, -1.0, 0.0]
-    assert torch.roll(s.token_ids_T, -1)[s.loss_mask_T].tolist() == [7, 8, 10]
-    with pytest.raises(AssertionError, match="5 sampler log-probs for 6 token ids"):
-        sample_of(TokenSequence((1, 2, 3, 4, 5, 6), (0.0,) * 5, ((0, 2, 3),)), [0.0], 0, 0)
 
 
 def test_problems_name_the_key_and_the_fix():
@@ -240,7 +90,7 @@ def test_qwen35_hybrid_layers_get_lora_and_chunked_logprobs(tmp_path):
     full = torch.log_softmax(policy.model(input_ids=ids).logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None]).squeeze(-1)[predict[:, :-1]]
     assert torch.allclose(chunked, full, atol=1e-5)
     # the reference recipe checkpoints (in effect since the base model trains in train mode): same gradients
-    sample = _sample(torch.randint(0, 1000, (30,)).tolist(), 10, 1.0)
+    sample = tail_sample(torch.randint(0, 1000, (30,)).tolist(), 10, 1.0)
     grads = []
     for checkpointing in (False, True):
         torch.manual_seed(1)
@@ -254,26 +104,6 @@ def test_qwen35_hybrid_layers_get_lora_and_chunked_logprobs(tmp_path):
         grads.append({n: q.grad for n, q in p.model.named_parameters() if q.grad is not None})
     assert set(grads[0]) == set(grads[1]) and grads[0]
     assert all(torch.allclose(grads[0][n], grads[1][n], atol=1e-6, rtol=1e-4) for n in grads[0])
-
-
-def test_a_non_finite_gradient_skips_the_step_instead_of_poisoning_the_weights(random_model_dir):
-    # the H200 warm start of 2026-12-01 went NaN at step 18 and stayed NaN: a NaN gradient is now dropped
-    policy = AlfrlPolicy(model_name=random_model_dir, dtype="float32", lora=LORA8)
-    policy.configure_model()
-    torch.manual_seed(4)
-    good = _sample(torch.randint(0, 1000, (12,)).tolist(), 6, 1.0)
-    bad = _sample(torch.randint(0, 1000, (12,)).tolist(), 6, 1.0)
-    bad.advantages_T[bad.loss_mask_T] = float("nan")
-    optimizer = torch.optim.AdamW(policy.trainable_parameters(), lr=1e-2)
-    before = policy.adapter_state()
-    stats = ppo_update(policy, optimizer, [good, bad])
-    after = policy.adapter_state()
-    assert stats["skipped_steps"] == 1.0 and math.isnan(stats["grad_norm"])
-    assert all(torch.equal(before[k], after[k]) for k in before)  # no step, no NaN
-    stats = ppo_update(policy, optimizer, [good])  # the next finite step trains as usual
-    assert stats["skipped_steps"] == 1.0 and math.isfinite(stats["grad_norm"])
-    assert all(torch.isfinite(v).all() for v in policy.adapter_state().values())
-    assert any(not torch.equal(before[k], v) for k, v in policy.adapter_state().items())
 
 
 def test_an_adapter_brought_back_in_bf16_loads_and_a_partial_one_is_refused(policy, tiny_model_dir, tmp_path):
@@ -333,7 +163,7 @@ def test_adapter_dtype_bfloat16_runs_the_adapter_in_bf16_and_keeps_float32_weigh
     # model.adapter_dtype: bfloat16 autocast without peft's float32 cast of the activations; the weights, their gradients
     # and AdamW's state stay float32, and the log-probs stay those of the float32 adapter within bf16 rounding
     torch.manual_seed(5)
-    samples = [_sample(torch.randint(0, 1000, (n,)).tolist(), n // 3, a, traj=k) for k, (n, a) in enumerate(((24, 1.0), (30, -1.0)))]
+    samples = [tail_sample(torch.randint(0, 1000, (n,)).tolist(), n // 3, a, traj=k) for k, (n, a) in enumerate(((24, 1.0), (30, -1.0)))]
     got = {}
     for adapter_dtype in ("float32", "bfloat16"):
         policy = AlfrlPolicy(model_name=random_model_dir, dtype="bfloat16", lora=LORA8, adapter_dtype=adapter_dtype,
@@ -372,7 +202,7 @@ def test_compile_layers_gives_the_same_log_probs_and_gradients_and_keeps_the_nam
     from alfrl.models import COMPILED_PARTS, compile_layers
 
     torch.manual_seed(6)
-    samples = [_sample(torch.randint(0, 1000, (n,)).tolist(), n // 3, a, traj=k) for k, (n, a) in enumerate(((24, 1.0), (31, -1.0), (17, 0.5)))]
+    samples = [tail_sample(torch.randint(0, 1000, (n,)).tolist(), n // 3, a, traj=k) for k, (n, a) in enumerate(((24, 1.0), (31, -1.0), (17, 0.5)))]
     got = {}
     for compiled in (False, True):
         policy = AlfrlPolicy(model_name=random_model_dir, dtype="float32", lora=LORA8, compile_layers=compiled,

@@ -1,4 +1,5 @@
-"""The warm start: expert plans replayed through the protocol, SFT on their assistant tokens, RL from it."""
+"""The warm start (alfrl.sft): SFT on the expert plans' assistant tokens, held-out loss, RL from its adapter, a file of another
+tokenizer refused. The plans themselves: test_expert.py."""
 
 import csv
 import json
@@ -11,89 +12,12 @@ import pytest
 import torch
 
 from alfrl.advantages import sample_of
-from alfrl.chat import chat_format
-from alfrl.envs import EnvPool
-from alfrl.expert import ExpertEngine, read_expert, replay
-from alfrl.games import discover_games, shuffled
+from alfrl.expert import read_expert
 from alfrl.models import parameter_counts, update_flops
 from alfrl.policy import AlfrlPolicy, LoRAConfig
-from alfrl.rewards import RewardConfig
-from alfrl.rollout import RolloutConfig, RolloutRunner
 from tests.helpers import alfrl_here
 
 REPO = Path(__file__).resolve().parent.parent
-CFG = RolloutConfig(action_format="action_tag", max_episode_steps=8, max_trajectory_tokens=6000, max_assistant_tokens=200)
-
-
-@pytest.fixture(scope="module")
-def expert(data_dir, tiny_tokenizer, tmp_path_factory):
-    games = sorted(shuffled(discover_games(data_dir, ["train"]), 7)[:10], key=lambda g: g.id)
-    fmt = chat_format(tiny_tokenizer, "action_tag")
-    out = tmp_path_factory.mktemp("expert") / "expert.jsonl"
-    with EnvPool(num_workers=2) as pool:
-        result = replay(lambda engine: RolloutRunner(engine, pool, fmt, CFG, RewardConfig()), fmt, games, CFG.max_episode_steps, out, chunk=4)
-    return games, fmt, out, result
-
-
-def test_expert_replay_writes_only_wins_and_counts_the_rest(expert):
-    games, fmt, out, result = expert
-    trajectories = read_expert(out)
-    assert result["written"] == len(trajectories) >= 6 and result["written"] + result["skipped"] == len(games)
-    assert all(t.won and t.stop_reason == "won" and t.invalid_actions == 0 for t in trajectories)
-    for t in trajectories:
-        plan = next(g for g in games if g.id == t.game_id).walkthrough()
-        assert [turn.action for turn in t.turns] == plan[: t.steps]  # the game's own walkthrough, turn by turn
-        assert all(turn.completion_text.startswith("<think>") and "</think><action>" in turn.completion_text for turn in t.turns)
-        (seq,) = t.sequences
-        assert len(seq.token_ids) == len(seq.sampler_logprobs) and seq.spans[-1][2] == len(seq.token_ids)
-    skipped = json.loads(Path(str(out) + ".skipped.json").read_text())
-    assert set(skipped) == {g.id for g in games} - {t.game_id for t in trajectories}
-    assert all(reason == "max_steps" for reason in skipped.values())  # plans longer than the recipe's 8 steps
-
-
-def test_expert_replay_resumes_without_playing_again(expert):
-    games, fmt, out, result = expert
-    before = out.read_text()
-    played = []
-
-    class Counting(RolloutRunner):
-        def run(self, games, *args, **kwargs):
-            played.extend(games)
-            return super().run(games, *args, **kwargs)
-
-    with EnvPool(num_workers=1) as pool:
-        again = replay(lambda engine: Counting(engine, pool, fmt, CFG, RewardConfig()), fmt, games, CFG.max_episode_steps, out)
-    assert played == [] and out.read_text() == before and again["written"] == result["written"]
-
-
-def test_expert_replay_plays_one_game_at_a_time_when_seeds_collide(expert, tmp_path, monkeypatch):
-    # request seeds are 31-bit hashes: over all 3,553 training games some collide (seen: `alfrl expert`
-    # on every game refused to start). Here every game's turn t gets the same seed, so any two collide.
-    import alfrl.expert
-    import alfrl.rollout
-
-    games, fmt, out, _ = expert
-    coarse = lambda seed, game_id, index, turn: (index + 2) * 1000 + turn  # noqa: E731
-    monkeypatch.setattr(alfrl.rollout, "request_seed", coarse)
-    monkeypatch.setattr(alfrl.expert, "request_seed", coarse)
-    runs = []
-
-    class Counting(RolloutRunner):
-        def run(self, games, *args, **kwargs):
-            runs.append(len(games))
-            return super().run(games, *args, **kwargs)
-
-    with EnvPool(num_workers=2) as pool:
-        result = replay(lambda engine: Counting(engine, pool, fmt, CFG, RewardConfig()), fmt, games[:3], CFG.max_episode_steps, tmp_path / "e.jsonl")
-    assert runs == [1, 1, 1]
-    assert [t.game_id for t in read_expert(tmp_path / "e.jsonl")] == [t.game_id for t in read_expert(out) if t.game_id in {g.id for g in games[:3]}]
-    assert result["written"] + result["skipped"] == 3
-
-
-def test_expert_engine_requests_are_found_by_seed(expert):
-    games, fmt, _, _ = expert
-    engine = ExpertEngine(fmt, games, 8)
-    assert len(engine.by_seed) == 2 * len(games) * 9  # every game, turn and index: no two requests share a seed
 
 
 def test_sft_loss_covers_exactly_the_assistant_tokens(expert, tiny_model_dir):
