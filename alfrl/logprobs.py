@@ -35,23 +35,30 @@ def predicted_logprobs(
     attention_mask: torch.Tensor | None = None,
     chunk_size: int = 1024,
     temperature: float = 1.0,
+    row_index: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Log-prob of token t+1 at every position t where ``predict_mask`` is True, flattened (batch, position).
 
     input_ids, predict_mask (bool), position_ids, attention_mask: (B, T); the last position of a
     row predicts nothing and must be False. Returns (N,) float32, N = predict_mask.sum().
     ``temperature`` scores under softmax(logits / T), the distribution a sampler at T draws from.
+    ``row_index`` (one row, B = 1): (positions, targets), the mask's positions and their tokens t+1 found beforehand
+    (``alfrl.ppo.collate``), so nothing here reads the device's memory back: a boolean mask's selection does, and
+    waits for every kernel queued before it.
     """
-    if predict_mask[:, -1].any():
-        raise ValueError("the last position of a row has no next token to predict")
     lm = causal_lm_of(model)
     decoder = lm.get_decoder() if hasattr(lm, "get_decoder") else None
-    targets = torch.roll(input_ids, -1, dims=1)[predict_mask]  # (N,): token t+1
+    if row_index is None:
+        if predict_mask[:, -1].any():
+            raise ValueError("the last position of a row has no next token to predict")
+        targets = torch.roll(input_ids, -1, dims=1)[predict_mask]  # (N,): token t+1
+    else:
+        positions, targets = row_index
     if decoder is None:  # a model without a separate decoder: plain forward (full logits)
         logits = model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask).logits
         return torch.log_softmax(logits[predict_mask].float() / temperature, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     hidden = decoder(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
-    hidden = hidden[predict_mask]  # (N, H)
+    hidden = hidden[predict_mask] if row_index is None else hidden[0].index_select(0, positions)  # (N, H)
     lm_head = lm.get_output_embeddings()
     pieces = []
     for start in range(0, hidden.shape[0], chunk_size):

@@ -54,18 +54,20 @@ def token_weights(tokens_per_sequence: list[int], aggregation: str, num_sequence
 
 @dataclass(frozen=True)
 class PPOStats:
-    """Detached statistics of one loss evaluation (sums, so micro-batches add up)."""
+    """Detached statistics of one loss evaluation (sums, so micro-batches add up). Each figure but ``tokens`` is a 0-dim
+    tensor on the loss's device: reading it (``float``, ``int``) waits for the GPU, so the update reads them once, after
+    its rows (``alfrl.ppo.Totals``)."""
 
     tokens: int
-    clipped: int
+    clipped: torch.Tensor
     """Tokens whose clipped objective was the smaller one (their gradient is zero)."""
-    dual_clipped: int
+    dual_clipped: torch.Tensor
     """Negative-advantage tokens held at the dual-clip bound (their gradient is zero)."""
-    approx_kl_sum: float
+    approx_kl_sum: torch.Tensor
     """Sum over tokens of (r - 1) - log r, an estimate of KL(old || new)."""
-    ratio_min: float
-    ratio_max: float
-    ratio_sum: float
+    ratio_min: torch.Tensor
+    ratio_max: torch.Tensor
+    ratio_sum: torch.Tensor
 
 
 def ppo_clip_loss(
@@ -101,14 +103,15 @@ def ppo_clip_loss(
     loss = (per_token * weights).sum()
     with torch.no_grad():
         n = int(logprobs.numel())
+        one = torch.ones((), device=ratio.device)
         stats = PPOStats(
             tokens=n,
-            clipped=int((clipped < unclipped).sum()),
-            dual_clipped=int(dual.sum()),
-            approx_kl_sum=float(((ratio - 1) - log_ratio).sum()),
-            ratio_min=float(ratio.min()) if n else 1.0,
-            ratio_max=float(ratio.max()) if n else 1.0,
-            ratio_sum=float(ratio.sum()),
+            clipped=(clipped < unclipped).sum(),
+            dual_clipped=dual.sum(),
+            approx_kl_sum=((ratio - 1) - log_ratio).sum(),
+            ratio_min=ratio.min() if n else one,
+            ratio_max=ratio.max() if n else one,
+            ratio_sum=ratio.sum(),
         )
     return loss, stats
 

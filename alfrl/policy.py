@@ -355,7 +355,7 @@ class AlfrlPolicy(L.LightningModule):
         """(N,) the trainer's log-probs of the micro-batch's trained tokens at ``temperature``."""
         with self.scoring():
             return predicted_logprobs(self.model, mb.input_ids, mb.predict_mask, mb.position_ids, None, self.ppo.logprob_chunk_size,
-                                      temperature)
+                                      temperature, row_index=(mb.predict_index, mb.targets))
 
     @torch.no_grad()
     def score(self, sequence: list[int]) -> list[float]:

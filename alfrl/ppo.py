@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from alfrl.loss import AGGREGATIONS, ppo_clip_loss, token_weights, truncated_is_weights
+from alfrl.loss import AGGREGATIONS, PPOStats, ppo_clip_loss, token_weights, truncated_is_weights
 from alfrl.types import Sample
 
 OLD_LOGPROBS = ("sampler", "recompute")
@@ -113,6 +113,10 @@ class MicroBatch:
     """(1, R) restarting at 0 for each sequence."""
     predict_mask: torch.Tensor
     """(1, R) bool: positions whose next token is trained."""
+    predict_index: torch.Tensor
+    """(N,) int64: those positions, in row order (the mask's, found on the host: no device-to-host copy in the loop)."""
+    targets: torch.Tensor
+    """(N,) int64: the token each of them predicts."""
     tokens_per_sequence: list[int]
     """Trained tokens of each member (for the loss weights)."""
     advantages: torch.Tensor
@@ -122,44 +126,60 @@ class MicroBatch:
 
 
 def collate(samples: list[Sample], members: list[int], device: torch.device | str) -> MicroBatch:
-    """The row of ``samples[members]``: tensors concatenated, nothing padded."""
+    """The row of ``samples[members]``: tensors concatenated, nothing padded. Everything the row's scoring needs to know
+    on the host (its sequences' lengths, the trained positions and their targets) is found here, on the CPU, so scoring
+    and training a row never wait for the GPU (each device-to-host read would drain its queue)."""
     picked = [samples[i] for i in members]
     mask = torch.cat([s.loss_mask_T for s in picked])
+    ids = torch.cat([s.token_ids_T for s in picked])
+    if bool(mask[-1]):
+        raise ValueError("the last position of a row has no next token to predict")
+    index = torch.nonzero(mask).flatten()
+    position_ids = torch.cat([torch.arange(len(s)) for s in picked]).unsqueeze(0).to(device)
+    position_ids._alfrl_segments = tuple(len(s) for s in picked)  # alfrl.attention.segment_lengths: known, not read back
     return MicroBatch(
         members=list(members),
-        input_ids=torch.cat([s.token_ids_T for s in picked]).unsqueeze(0).to(device),
-        position_ids=torch.cat([torch.arange(len(s)) for s in picked]).unsqueeze(0).to(device),
+        input_ids=ids.unsqueeze(0).to(device),
+        position_ids=position_ids,
         predict_mask=mask.unsqueeze(0).to(device),
+        predict_index=index.to(device),
+        targets=ids[index + 1].to(device),
         tokens_per_sequence=[s.trained_tokens for s in picked],
         advantages=torch.cat([s.advantages_T for s in picked])[mask].to(device),
         sampler_logprobs=torch.cat([s.sampler_logprobs_T for s in picked])[mask].to(device),
     )
 
 
-@dataclass
 class Totals:
-    """Sums over the rows of one update (its statistics)."""
+    """Sums over the rows of one update (its statistics), kept on the device while the rows train (reading a figure back
+    would wait for the GPU), in float64 as Python's floats summed them; ``values()`` reads them once, at the end."""
 
-    loss: float = 0.0
-    tokens: int = 0
-    clipped: int = 0
-    dual_clipped: int = 0
-    kl: float = 0.0
-    ratio_sum: float = 0.0
-    ratio_min: float = math.inf
-    ratio_max: float = -math.inf
-    grad_norm: float = 0.0
-    steps: int = 0
+    def __init__(self):
+        self.rows: list[tuple[torch.Tensor, PPOStats]] = []
+        self.grad_norm = 0.0
+        self.steps = 0
 
-    def add(self, loss: float, st) -> None:
-        self.loss += loss
-        self.tokens += st.tokens
-        self.clipped += st.clipped
-        self.dual_clipped += st.dual_clipped
-        self.kl += st.approx_kl_sum
-        self.ratio_sum += st.ratio_sum
-        self.ratio_min = min(self.ratio_min, st.ratio_min)
-        self.ratio_max = max(self.ratio_max, st.ratio_max)
+    def add(self, loss: torch.Tensor, st: PPOStats) -> None:
+        self.rows.append((loss.detach(), st))
+
+    def values(self) -> dict[str, float]:
+        """loss (summed over rows), tokens, clipped, dual_clipped, kl, ratio_sum, ratio_min, ratio_max."""
+        stats = [st for _, st in self.rows]
+        return {"loss": sum_in_order([lo for lo, _ in self.rows]), "tokens": sum(st.tokens for st in stats),
+                "clipped": int(sum_in_order([st.clipped for st in stats])),
+                "dual_clipped": int(sum_in_order([st.dual_clipped for st in stats])),
+                "kl": sum_in_order([st.approx_kl_sum for st in stats]), "ratio_sum": sum_in_order([st.ratio_sum for st in stats]),
+                "ratio_min": min((float(st.ratio_min) for st in stats), default=math.inf),
+                "ratio_max": max((float(st.ratio_max) for st in stats), default=-math.inf)}
+
+
+def sum_in_order(values: list[torch.Tensor]) -> float:
+    """0-dim tensors kept on the device while rows train, read back at once and added one after the other in float64
+    (the order and rounding of Python's floats, as when each was read after its row)."""
+    total = 0.0
+    for v in (torch.stack([v.double() for v in values]).cpu().tolist() if values else []):
+        total += v
+    return total
 
 
 def backward_rows(policy, samples: list[Sample], part: list[int], old: list[torch.Tensor], n_seq: float, n_tok: float,
@@ -168,33 +188,34 @@ def backward_rows(policy, samples: list[Sample], part: list[int], old: list[torc
     per ``ppo.loss_aggregation``) into the LoRA's gradients and add the rows' statistics to ``totals``. ``old[i]`` holds
     sample i's old log-probs; ``diffs`` (when given) gets sampler - trainer log-probs of every trained token."""
     ppo = policy.ppo
-    rows = policy.microbatches(samples, part)
-    for r, mb in enumerate(rows):
+    rows = policy.microbatches(samples, part)  # every copy to the device before the rows' kernels: none waits on them
+    row_weights = [token_weights(mb.tokens_per_sequence, ppo.loss_aggregation, n_seq, n_tok).to(policy.device) for mb in rows]
+    for r, (mb, weights) in enumerate(zip(rows, row_weights)):
         logprobs = policy.logprobs_of(mb, temperature)  # (N,)
         old_mb = torch.cat([old[i] for i in mb.members])
         if diffs is not None:
             diffs.append((mb.sampler_logprobs - logprobs.detach()).float())
-        weights = token_weights(mb.tokens_per_sequence, ppo.loss_aggregation, n_seq, n_tok).to(policy.device)
         is_w = truncated_is_weights(old_mb, mb.sampler_logprobs, ppo.tis_cap) if ppo.tis_cap is not None else None
         loss, st = ppo_clip_loss(logprobs, old_mb, mb.advantages, weights, ppo.clip_low, ppo.clip_high, is_w,
                                  ppo.dual_clip, ppo.log_ratio_clamp)
         with gradient_sync(policy, last=r == len(rows) - 1):
             _backward(policy, loss)
-        totals.add(float(loss.detach()), st)
+        totals.add(loss, st)
 
 
 def summary(totals: Totals, samples: list[Sample], old: list[torch.Tensor], diffs: list[torch.Tensor]) -> dict[str, float]:
     """The update's statistics (``train/...``) from its totals."""
-    n = max(totals.tokens, 1)
+    t = totals.values()
+    n = max(t["tokens"], 1)
     all_diffs = torch.cat(diffs) if diffs else torch.zeros(0)
     return {
-        "loss": totals.loss / max(totals.steps, 1),
-        "clip_fraction": totals.clipped / n,
-        "dual_clip_fraction": totals.dual_clipped / n,
-        "approx_kl": totals.kl / n,
-        "ratio_mean": totals.ratio_sum / n,
-        "ratio_min": totals.ratio_min if totals.tokens else 1.0,
-        "ratio_max": totals.ratio_max if totals.tokens else 1.0,
+        "loss": t["loss"] / max(totals.steps, 1),
+        "clip_fraction": t["clipped"] / n,
+        "dual_clip_fraction": t["dual_clipped"] / n,
+        "approx_kl": t["kl"] / n,
+        "ratio_mean": t["ratio_sum"] / n,
+        "ratio_min": t["ratio_min"] if t["tokens"] else 1.0,
+        "ratio_max": t["ratio_max"] if t["tokens"] else 1.0,
         "grad_norm": totals.grad_norm / max(totals.steps, 1),
         "trained_tokens": float(sum(int(o.numel()) for o in old)),
         "samples": float(len(samples)),

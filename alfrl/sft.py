@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from alfrl.advantages import sample_of
 from alfrl.policy import AlfrlPolicy
-from alfrl.ppo import UpdateStart, clip_gradients, global_counts, gradient_sync
+from alfrl.ppo import UpdateStart, clip_gradients, global_counts, gradient_sync, sum_in_order
 from alfrl.types import Sample
 
 
@@ -166,14 +166,15 @@ class SFTPolicy(AlfrlPolicy):
         n_tok = sum(s.trained_tokens for s in batch.samples)
         world = self.trainer.world_size
         _, global_tok = global_counts(self, 1, n_tok, world)
-        loss_sum = 0.0
+        losses = []  # read once after the rows (a read per row would wait for the GPU each time)
         rows = self.microbatches(batch.samples, list(range(len(batch.samples))))
         for r, mb in enumerate(rows):
             lp = self.logprobs_of(mb)
             loss = -lp.sum() / global_tok  # the mean over the step's trained tokens, over all ranks
             with gradient_sync(self, last=r == len(rows) - 1):
                 self.manual_backward(loss)
-            loss_sum += float(loss.detach())
+            losses.append(loss.detach())
+        loss_sum = sum_in_order(losses)
         grad_norm = clip_gradients(self)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

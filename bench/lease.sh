@@ -218,9 +218,17 @@ sftrows() {  # issue "The reference recipe at full speed", item 3: one warm-star
 updateprof() {  # is the learning run's update host-bound? (issues "The reference recipe at full speed" and "Learning at scale"):
   # bench/update_alone.py on random weights of the model's shape, 64 synthetic trajectories: the H100 learning recipes'
   # update (4,096-token budget: a trajectory a row, bf16 adapter) and the H200 recipe's (16K rows, compiled layers); the
-  # first once more under torch.profiler: its kernels' busy share of the wall clock (below 1: the GPU waited). ~3 min
-  timed updateprof "$PY" bench/update_alone.py --config "${MODEL[1]}" "${UPDATEPROF[@]}" --variants varlen_rows4096_bf16 \
-    varlen_rows16384_bf16_compiled --profile "$W/results/updateprof_profile.txt" --out "$W/results/updateprof.json" || true
+  # first once more under torch.profiler: its kernels' busy share of the wall clock (below 1: the GPU waited). ~3 min.
+  # With a baseline staged (`stage .gpu-baseline`: an earlier commit's alfrl/, `git archive COMMIT alfrl | tar -x -C
+  # .gpu-baseline`), the same first, with that alfrl, same samples and seeds: old against new on one machine
+  local variants=(varlen_rows4096_bf16 varlen_rows16384_bf16_compiled)
+  if [ -d "$W/baseline/alfrl" ]; then
+    timed updateprof_baseline env PYTHONPATH="$W/baseline:$PYTHONPATH" "$PY" bench/update_alone.py --config "${MODEL[1]}" \
+      "${UPDATEPROF[@]}" --variants "${variants[@]}" --profile "$W/results/updateprof_baseline_profile.txt" \
+      --out "$W/results/updateprof_baseline.json" || true
+  fi
+  timed updateprof "$PY" bench/update_alone.py --config "${MODEL[1]}" "${UPDATEPROF[@]}" --variants "${variants[@]}" \
+    --profile "$W/results/updateprof_profile.txt" --out "$W/results/updateprof.json" || true
 }
 
 recipefit() {  # 3 updates of recipes/qwen15b_coder_h200.yaml as it stands (16,384-token rows: an H200's memory), from the warm start
@@ -316,11 +324,12 @@ case "${1:-}" in
       *gpu-kit*) if [ -f "$2/install.sh" ]; then bash "$2/install.sh" stage "$2"; else bash /tmp/wheel-stage/install.sh stage "$2"; fi ;;
       *gpu-model*) mkdir -p /tmp/model-stage && cp "$2"/qwen.gguf.part* /tmp/model-stage/ ;;
       *gpu-data*) mkdir -p /tmp/gpu-data && cp -r "$2"/. /tmp/gpu-data/ ;;
+      *gpu-baseline*) mkdir -p "$W/baseline" && cp -r "$2"/. "$W/baseline/" ;;   # an earlier commit's alfrl/, for updateprof
       *gpu-adapters*) mkdir -p /tmp/adapter-stage && cp "${@:2}" /tmp/adapter-stage/ ;;  # stage PIECE [CONFIG SHA256]
       *gpu-cache*) mkdir -p "$W" && cat "$2"/*compile_cache.tgz.part* | tar -xz -C "$W" && touch "$W/cache.staged" ;;   # stage .gpu-cache (an earlier lease's d_compile_cache.tgz pieces)
       *gpu-resume*) local_dir=/tmp/resume-stage/$(basename "$(dirname "$2")")   # stage .gpu-resume/R/trainer.ckpt.partNN [R/step R/trainer.ckpt.sha256]
         mkdir -p "$local_dir" && cp "${@:2}" "$local_dir/" ;;
-      *) echo "stage: give .gpu-kit/cNN, .gpu-model/mNN, .gpu-data, .gpu-cache, .gpu-adapters/RUN/pieces/adapter.partNN [...] or .gpu-resume/RUN/..." >&2; exit 2 ;;
+      *) echo "stage: give .gpu-kit/cNN, .gpu-model/mNN, .gpu-data, .gpu-baseline, .gpu-cache, .gpu-adapters/RUN/pieces/adapter.partNN [...] or .gpu-resume/RUN/..." >&2; exit 2 ;;
     esac && log "staged $2" ;;
   start)  # the job runs from a copy of the checkout: a later call's checkout (edited meanwhile) does not reach it
     rm -f "$W/done" "$W/stop"; rm -rf "$W/repo" && mkdir -p "$W/repo" && tar -c --exclude=./.git --exclude='./.gpu-*' --exclude=./.venv --exclude=./.cache \

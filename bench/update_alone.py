@@ -87,7 +87,9 @@ def main() -> None:
     if args.dry:
         variants = [(name, attn, 256, *rest) for name, attn, _rows, *rest in variants]
     dtype = torch.bfloat16  # the variants' bf16 adapter needs a bf16 model (on the CPU too)
-    report: dict = {"config": args.config, "dry": args.dry, "variants": [v[0] for v in variants], "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+    import alfrl
+
+    report: dict = {"alfrl": str(Path(alfrl.__file__).parent), "config": args.config, "dry": args.dry, "variants": [v[0] for v in variants], "started": time.strftime("%Y-%m-%d %H:%M:%S")}
 
     def save(update: dict | None = None) -> None:
         if update is not None:

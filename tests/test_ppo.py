@@ -133,3 +133,30 @@ def test_a_non_finite_gradient_skips_the_step_instead_of_poisoning_the_weights(r
     assert stats["skipped_steps"] == 1.0 and math.isfinite(stats["grad_norm"])
     assert all(torch.isfinite(v).all() for v in policy.adapter_state().values())
     assert any(not torch.equal(before[k], v) for k, v in policy.adapter_state().items())
+
+
+def test_a_packed_row_is_scored_without_reading_the_device_back(policy, monkeypatch):
+    # each read of a GPU tensor on the host (a boolean mask's selection, .tolist(), float()) waits for every kernel queued
+    # before it: collate finds the row's sequence lengths, trained positions and targets on the CPU instead
+    from alfrl.attention import register
+    from alfrl.logprobs import causal_lm_of, predicted_logprobs
+
+    register()
+    causal_lm_of(policy.model).set_attn_implementation("sdpa_varlen")
+    torch.manual_seed(3)
+    samples = [tail_sample(torch.randint(0, 1000, (n,)).tolist(), n // 2, 1.0, traj=k) for k, n in enumerate((17, 30, 9))]
+    row = collate(samples, [0, 1, 2], "cpu")
+    assert row.position_ids._alfrl_segments == (17, 30, 9)
+    assert torch.equal(row.predict_index, torch.nonzero(row.predict_mask[0]).flatten())
+    assert torch.equal(row.targets, torch.roll(row.input_ids, -1, dims=1)[row.predict_mask])
+    with torch.no_grad():
+        by_mask = predicted_logprobs(policy.model, row.input_ids, row.predict_mask, row.position_ids, None, 7)
+    monkeypatch.setattr(torch, "nonzero", lambda *a, **k: pytest.fail("the row's scoring looked for its positions on the device"))
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda *a, **k: pytest.fail("the row's scoring read a tensor back"))
+    with torch.no_grad():
+        scored = policy.logprobs_of(row)
+    assert torch.equal(scored, by_mask)
+    with pytest.raises(ValueError, match="the last position of a row has no next token"):
+        bad = tail_sample(list(range(10)), 5, 1.0)
+        bad.loss_mask_T[-1] = True
+        collate([bad], [0], "cpu")
