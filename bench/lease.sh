@@ -217,11 +217,11 @@ sftrows() {  # issue "The reference recipe at full speed", item 3: one warm-star
 
 updateprof() {  # is the learning run's update host-bound? (issues "The reference recipe at full speed" and "Learning at scale"):
   # bench/update_alone.py on random weights of the model's shape, 64 synthetic trajectories: the H100 learning recipes'
-  # update (4,096-token budget: a trajectory a row, bf16 adapter) and the H200 recipe's (16K rows, compiled layers); the
-  # first once more under torch.profiler: its kernels' busy share of the wall clock (below 1: the GPU waited). ~3 min.
+  # update (4,096-token budget: a trajectory a row, bf16 adapter; UPDATEPROF_VARIANTS names others), once more under
+  # torch.profiler: its kernels' busy share of the wall clock (below 1: the GPU waited). ~1.5 min a run.
   # With a baseline staged (`stage .gpu-baseline`: an earlier commit's alfrl/, `git archive COMMIT alfrl | tar -x -C
   # .gpu-baseline`), the same first, with that alfrl, same samples and seeds: old against new on one machine
-  local variants=(varlen_rows4096_bf16 varlen_rows16384_bf16_compiled)
+  local variants; read -ra variants <<< "${UPDATEPROF_VARIANTS:-varlen_rows4096_bf16}"   # (also: varlen_rows16384_bf16_compiled, the H200 recipe's)
   if [ -d "$W/baseline/alfrl" ]; then
     timed updateprof_baseline env PYTHONPATH="$W/baseline:$PYTHONPATH" "$PY" bench/update_alone.py --config "${MODEL[1]}" \
       "${UPDATEPROF[@]}" --variants "${variants[@]}" --profile "$W/results/updateprof_baseline_profile.txt" \
@@ -335,7 +335,7 @@ case "${1:-}" in
     rm -f "$W/done" "$W/stop"; rm -rf "$W/repo" && mkdir -p "$W/repo" && tar -c --exclude=./.git --exclude='./.gpu-*' --exclude=./.venv --exclude=./.cache \
       --exclude=./runs . | tar -x -C "$W/repo" && cp "$0" "$W/lease.sh" || exit 1
     [ "$DRY" = 1 ] && ln -s "$REPO/.venv" "$W/repo/.venv"
-    ALFRL_REPO=$W/repo ALFRL_GPU_WORK=$W ALFWORLD_DATA_DRY=$ALFWORLD_DATA_DRY ALFRL_TINY_MODEL=$ALFRL_TINY_MODEL LANES="$LANES" DRY=$DRY SFT_STEPS=${SFT_STEPS:-} EVALS="${EVALS:-}" FITS="${FITS:-}" ARM="${ARM:-}" UPTO=${UPTO:-} EVAL_RESERVE_S=${EVAL_RESERVE_S:-300} UNTIL=$(( $(date +%s) + ${UNTIL_S:-1380} )) \
+    ALFRL_REPO=$W/repo ALFRL_GPU_WORK=$W ALFWORLD_DATA_DRY=$ALFWORLD_DATA_DRY ALFRL_TINY_MODEL=$ALFRL_TINY_MODEL LANES="$LANES" DRY=$DRY SFT_STEPS=${SFT_STEPS:-} EVALS="${EVALS:-}" FITS="${FITS:-}" ARM="${ARM:-}" UPTO=${UPTO:-} UPDATEPROF_VARIANTS="${UPDATEPROF_VARIANTS:-}" EVAL_RESERVE_S=${EVAL_RESERVE_S:-300} UNTIL=$(( $(date +%s) + ${UNTIL_S:-1380} )) \
       setsid nohup bash "$W/lease.sh" _run > "$W/logs/job.log" 2>&1 < /dev/null &
     log "started: $LANES" ;;
   _run)
