@@ -24,7 +24,7 @@ from pathlib import Path
 from alfrl import protocol
 from alfrl.chat import ChatFormat
 from alfrl.engines import Completion, InProcessEngine, SamplingRequest
-from alfrl.games import Game
+from alfrl.games import DataError, Game
 from alfrl.rollout import RolloutRunner, request_seed
 from alfrl.types import Trajectory, trajectory_from_dict, trajectory_to_dict
 
@@ -128,7 +128,14 @@ def replay(runner_for: Callable[[ExpertEngine], RolloutRunner], fmt: ChatFormat,
             except (json.JSONDecodeError, KeyError):
                 break
         out.write_text("".join(good))
-    skipped: dict[str, str] = json.loads(skipped_file.read_text()) if skipped_file.exists() else {}
+    skipped: dict[str, str] = {}
+    if skipped_file.exists():
+        try:
+            skipped = json.loads(skipped_file.read_text())
+            assert isinstance(skipped, dict)
+        except (ValueError, AssertionError):
+            raise DataError(f"{skipped_file} is damaged (not the JSON object `alfrl expert` writes): delete it and run again "
+                            "(the games it listed are played again)") from None
     todo = [g for g in games if g.id not in done and g.id not in skipped]
     engine = ExpertEngine(fmt, [], max_steps)
     runner = runner_for(engine)
@@ -183,12 +190,19 @@ def tokenizer_problem(path: str | Path, tokenizer, model_name: str, trajectories
 
 
 def read_expert(path: str | Path, limit: int | None = None) -> list[Trajectory]:
-    """Expert trajectories written by ``replay`` (the first ``limit``)."""
+    """Expert trajectories written by ``replay`` (the first ``limit``). A line that is not one (another file, a damaged
+    one, or the last line cut by an interrupted ``alfrl expert``) is a ``DataError`` naming the file, the line and the fix."""
     out = []
-    with open(path) as f:
-        for line in f:
-            if line.strip():
-                out.append(trajectory_from_dict(json.loads(line)))
-                if limit is not None and len(out) >= limit:
-                    break
+    fix = f"write it again with `alfrl expert --config RECIPE --out {path}` (it resumes, dropping a cut last line)"
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            if not raw.strip():
+                continue
+            try:
+                out.append(trajectory_from_dict(json.loads(raw)))
+            except (ValueError, KeyError, TypeError) as e:  # JSON, UTF-8, or fields not a trajectory's
+                cut = "" if raw.endswith(b"\n") else " (the file's last line, cut short)"
+                raise DataError(f"{path}: line {n}{cut} is not an expert trajectory ({type(e).__name__}: {str(e)[:80]}); {fix}") from None
+            if limit is not None and len(out) >= limit:
+                break
     return out

@@ -4,8 +4,11 @@ the rest counted; a replay resumed plays nothing twice."""
 import json
 from pathlib import Path
 
+import pytest
+
 from alfrl.envs import EnvPool
 from alfrl.expert import ExpertEngine, read_expert, replay
+from alfrl.games import DataError
 from alfrl.rewards import RewardConfig
 from alfrl.rollout import RolloutRunner
 from tests.helpers import EXPERT_CFG as CFG
@@ -70,3 +73,29 @@ def test_expert_engine_requests_are_found_by_seed(expert):
     games, fmt, _, _ = expert
     engine = ExpertEngine(fmt, games, 8)
     assert len(engine.by_seed) == 2 * len(games) * 9  # every game, turn and index: no two requests share a seed
+
+
+def test_a_damaged_expert_file_is_one_error_naming_its_line(expert, tmp_path):
+    _, _, out, _ = expert
+    lines = Path(out).read_text().splitlines(keepends=True)
+    cut = tmp_path / "cut.jsonl"  # an interrupted `alfrl expert`: its last line written in part
+    cut.write_text("".join(lines[:2]) + lines[2][: len(lines[2]) // 2])
+    assert len(read_expert(cut, limit=2)) == 2  # the whole lines before it still read
+    with pytest.raises(DataError, match=r"cut.jsonl: line 3 \(the file's last line, cut short\) is not an expert trajectory .*alfrl expert"):
+        read_expert(cut)
+    other = tmp_path / "other.jsonl"
+    other.write_text("root:x:0:0:root:/root:/bin/bash\n")
+    with pytest.raises(DataError, match=r"other.jsonl: line 1 is not an expert trajectory \(JSONDecodeError"):
+        read_expert(other)
+    fields = tmp_path / "fields.jsonl"
+    fields.write_text(lines[0] + json.dumps({"game_id": "x"}) + "\n")
+    with pytest.raises(DataError, match=r"fields.jsonl: line 2 is not an expert trajectory \(KeyError"):
+        read_expert(fields)
+    binary = tmp_path / "binary.jsonl"
+    binary.write_bytes(b"\xff\xfe\x00garbage\n")
+    with pytest.raises(DataError, match=r"binary.jsonl: line 1 is not an expert trajectory"):
+        read_expert(binary)
+    skipped = tmp_path / "s.jsonl.skipped.json"  # the list of games whose plan did not win, damaged
+    skipped.write_text("{\"train:a\": ")
+    with pytest.raises(DataError, match=r"s.jsonl.skipped.json is damaged .*delete it and run again"):
+        replay(lambda engine: None, expert[1], [], 8, tmp_path / "s.jsonl")

@@ -111,3 +111,14 @@ def test_an_expert_file_of_another_tokenizer_is_one_line_before_the_model_loads(
     lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("alfrl sft:")]
     assert len(lines) == 1 and str(bad) in lines[0] and "Traceback" not in proc.stderr
     assert not (root / "checkpoints").exists()
+
+
+def test_alfrl_sft_on_a_file_that_is_not_expert_plans_is_one_line(tmp_path, data_dir, tiny_model_dir, capfd, monkeypatch):
+    monkeypatch.setenv("ALFWORLD_DATA", data_dir)
+    other = tmp_path / "notes.jsonl"
+    other.write_text("these are not expert plans\n")
+    proc = alfrl_here(capfd, "sft", "--config", "recipes/sft_tiny.yaml", "--data.expert_file", str(other), "--model.model_name", tiny_model_dir,
+                      "--trainer.default_root_dir", str(tmp_path / "run"), "--trainer.logger", "false")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("alfrl sft:")]
+    assert len(lines) == 1 and f"{other}: line 1 is not an expert trajectory" in lines[0]
