@@ -245,13 +245,31 @@ def _read_existing(path: Path) -> tuple[dict | None, list[dict]]:
     """(header, game records) of an existing output; a torn tail (an interrupted write: a cut line, bytes that are not
     UTF-8) is dropped, every whole record before it kept."""
     with open(path, "rb") as f:
-        return _parse_records(f.read())
+        try:
+            return _parse_records(f.read())
+        except EvalError as e:
+            raise EvalError(f"{path}: {e}: it is not an `alfrl eval` output to resume; give another --out (or --overwrite)") from None
+
+
+GAME_FIELDS = {"game_id": str, "split": str, "task_type": str, "won": (bool, int), "reward": (int, float), "steps": int,
+               "invalid_actions": int, "turns": list}
+"""What a game record must hold for the summary and the reports (their types): ``turns`` a list of objects with
+``valid_format`` and ``admissible``."""
+
+
+def _game_problem(rec: dict) -> str | None:
+    wrong = [k for k, kind in GAME_FIELDS.items() if not isinstance(rec.get(k), kind)]
+    if not wrong and not all(isinstance(t, dict) and "valid_format" in t and "admissible" in t for t in rec["turns"]):
+        wrong = ["turns"]
+    return f"a game record without {', '.join(wrong)} (or not of its type)" if wrong else None
 
 
 def _parse_records(data: bytes) -> tuple[dict | None, list[dict]]:
+    """(header, game records); a torn tail (a cut line, bytes that are not UTF-8) ends the reading, every whole record
+    before it kept; a whole line that is a game record without the fields a summary needs is an ``EvalError`` (naming it)."""
     header, games = None, []
     lines = data.split(b"\n")
-    for line in lines:
+    for n, line in enumerate(lines, 1):
         try:
             rec = json.loads(line.decode("utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError):
@@ -261,6 +279,9 @@ def _parse_records(data: bytes) -> tuple[dict | None, list[dict]]:
         if rec.get("type") == "header":
             header = rec
         elif rec.get("type") == "game":
+            problem = _game_problem(rec)
+            if problem:
+                raise EvalError(f"line {n} is {problem}")
             games.append(rec)
     return header, games
 
@@ -370,6 +391,8 @@ def read_results(path: str | Path) -> tuple[dict | None, list[dict], dict]:
             header, games = _parse_records(f.read())
     except (UnicodeDecodeError, OSError, EOFError) as e:  # gzip's BadGzipFile is an OSError; a cut .gz ends in EOFError
         raise EvalError(f"{path} cannot be read ({type(e).__name__}): is it an `alfrl eval` output?") from None
+    except EvalError as e:
+        raise EvalError(f"{path}: {e}: is it an `alfrl eval` output?") from None
     if not games:
         raise EvalError(f"{path} holds no evaluated games: is it an `alfrl eval` output?")
     config = header.get("config") if isinstance(header, dict) else None

@@ -242,3 +242,18 @@ def test_report_reads_gzipped_records_as_results_folders_keep_them(tmp_path, cap
         bad.write_bytes(data)
         with pytest.raises(EvalError, match="cannot be read .*is it an `alfrl eval` output"):
             read_results(bad)
+
+
+def test_a_game_record_without_the_fields_of_a_summary_is_one_line_naming_it(tmp_path, capfd):
+    path = tmp_path / "other.jsonl"  # JSON lines typed "game", but not alfrl eval's
+    path.write_text(json.dumps(HAND_MADE[0]) + "\n" + json.dumps({"type": "game", "game_id": "x", "won": "yes"}) + "\n")
+    with pytest.raises(EvalError, match=r"other.jsonl: line 2 is a game record without split, task_type, won, reward, steps, "
+                                         r"invalid_actions, turns \(or not of its type\)"):
+        read_results(path)
+    path.write_text(json.dumps(dict(HAND_MADE[0], turns=[{"valid_format": True}])) + "\n")
+    with pytest.raises(EvalError, match="line 1 is a game record without turns"):
+        read_results(path)
+    out = alfrl_here(capfd, "report", str(path), "--out", str(tmp_path / "r"))
+    assert out.returncode != 0 and "Traceback" not in out.stderr
+    assert [ln for ln in out.stderr.splitlines() if ln.startswith("alfrl report:")] == [
+        f"alfrl report: {path}: line 1 is a game record without turns (or not of its type): is it an `alfrl eval` output?"]
