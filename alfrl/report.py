@@ -499,8 +499,8 @@ def training_outputs(rows: list[dict], out: Path) -> list[Path]:
 
 def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="alfrl report", description="Compare alfrl eval results side by side.")
-    parser.add_argument("results", nargs="+", help="alfrl eval output files (.jsonl; the first is the baseline), or a "
-                        "run's .summary.json where its records are gone (compared unpaired)")
+    parser.add_argument("results", nargs="*", help="alfrl eval output files (.jsonl; the first is the baseline), or a "
+                        "run's .summary.json where its records are gone (compared unpaired); none with --train-log: its curves alone")
     parser.add_argument("--names", nargs="+", default=None, help="one name per results file (default: the files' stems)")
     parser.add_argument("--out", required=True, help="folder for report.md, summaries.json, the charts (and report.html)")
     parser.add_argument("--train-log", nargs="+", default=None, metavar="RUN_DIR_OR_CSV",
@@ -529,20 +529,26 @@ def spread_games(runs: list[tuple[str, list[dict]]], n: int) -> set[str]:
 
 def main(argv: list[str]) -> int:
     args = parser().parse_args(argv)
+    if not args.results and not args.train_log:
+        print("alfrl report: give alfrl eval output files to compare, or --train-log RUN_DIR for a run's curves (or both)", file=sys.stderr)
+        return 2
+    if not args.results and (args.html or args.rollouts):
+        print("alfrl report: --html shows evaluated games: give alfrl eval output files too", file=sys.stderr)
+        return 2
     try:
-        loaded = load_runs(args.results, args.names)
+        loaded = load_runs(args.results, args.names) if args.results else []
     except EvalError as e:
         print(f"alfrl report: {e}", file=sys.stderr)
         return 2
     games_played = [(name, games) for name, _, games in loaded if games is not None]  # every game, for the HTML page
-    loaded, cut = common_games(loaded)
+    loaded, cut = common_games(loaded) if loaded else ([], None)
     runs = [(name, summary) for name, summary, _ in loaded]
     warning = determinism_warning(runs)
     if warning:
         print(f"alfrl report: warning: {warning}", file=sys.stderr)
     if cut:
         print(f"alfrl report: {cut}", file=sys.stderr)
-    text = markdown(runs, cut) + paired_markdown(loaded) + unpaired_markdown(loaded)
+    text = markdown(runs, cut) + paired_markdown(loaded) + unpaired_markdown(loaded) if runs else ""
     records = log_records(args.train_log) if args.train_log else []
     train_rows = training_rows(records)
     text += training_markdown(train_rows) if train_rows else ""
@@ -551,8 +557,10 @@ def main(argv: list[str]) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.md").write_text(text)
-    (out / "summaries.json").write_text(json.dumps({name: s for name, s in runs}, indent=2))
-    files = charts(runs, out)
+    files = []
+    if runs:
+        (out / "summaries.json").write_text(json.dumps({name: s for name, s in runs}, indent=2))
+        files = charts(runs, out)
     if train_rows:
         files += training_outputs(train_rows, out)
     if evals:
@@ -568,5 +576,5 @@ def main(argv: list[str]) -> int:
         (out / "report.html").write_text(page)
         files.append(out / "report.html")
     print(text)
-    print("written: " + ", ".join(str(p) for p in [out / "report.md", out / "summaries.json", *files]))
+    print("written: " + ", ".join(str(p) for p in [out / "report.md", *([out / "summaries.json"] if runs else []), *files]))
     return 0

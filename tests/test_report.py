@@ -257,3 +257,21 @@ def test_a_game_record_without_the_fields_of_a_summary_is_one_line_naming_it(tmp
     assert out.returncode != 0 and "Traceback" not in out.stderr
     assert [ln for ln in out.stderr.splitlines() if ln.startswith("alfrl report:")] == [
         f"alfrl report: {path}: line 1 is a game record without turns (or not of its type): is it an `alfrl eval` output?"]
+
+
+def test_a_runs_curves_alone_need_no_evaluation_files(tmp_path, capfd):
+    # what a user watching a run asks: its training curves and periodic evaluations, before any alfrl eval
+    v0 = tmp_path / "run" / "csv" / "version_0"
+    v0.mkdir(parents=True)
+    (v0 / "metrics.csv").write_text("rollout/reward_mean,rollout/success_rate,rollout/invalid_actions_mean,step,eval/success_rate,"
+                                    "eval/task/pick_and_place_simple/success_rate\n0.1,0.25,2.0,0,,\n,,,9,0.5,0.75\n0.3,0.5,1.0,9,,\n")
+    out = alfrl_here(capfd, "report", "--train-log", str(tmp_path / "run"), "--out", str(tmp_path / "r"))
+    assert out.returncode == 0, out.stderr
+    assert sorted(p.name for p in (tmp_path / "r").iterdir()) == ["eval_curves.csv", "eval_curves.png", "report.md",
+                                                                  "training.csv", "training_curves.png"]
+    text = (tmp_path / "r" / "report.md").read_text()
+    assert "## Periodic evaluation (1 evaluation" in text and "| 10 | 50.00% | 75.00% |" in text
+    for argv, said in [((), "give alfrl eval output files to compare, or --train-log RUN_DIR"),
+                       (("--train-log", str(tmp_path / "run"), "--html"), "--html shows evaluated games")]:
+        out = alfrl_here(capfd, "report", *argv, "--out", str(tmp_path / "r2"))
+        assert out.returncode == 2 and said in out.stderr and "Traceback" not in out.stderr
