@@ -25,8 +25,11 @@
 #   UPTO=20 LANES="warmstart learn learn:gigpo" bash bench/lease.sh start   # both arms, each up to update 20, one after the other
 #   UPTO=40 LANES="warmstart learn:gigpo" bash bench/lease.sh start   # the arm carried on (GiGPO) alone; a second `start` on the
 #                                                # same machine goes on from the newest checkpoint the first saved
-# .gpu-data holds json_2.1.1.tar.xz and expert.jsonl.gz with its .skipped.json (`alfrl expert --config
-# recipes/qwen15b_coder_h200.yaml`, begun on the CPU; the lease plays the games it did not reach).
+#   bash bench/lease.sh stage .gpu-baseline         # before `start`: an earlier commit's alfrl/ for lane updateprof (old against new)
+# .gpu-data holds json_2.1.1.tar.xz and, if made here, expert.jsonl.gz with its .skipped.json (`alfrl expert --config
+# recipes/qwen15b_coder_h200.yaml --model.model_name .gpu-model --model.gguf_file qwen.gguf --trainer.accelerator cpu
+# --out .gpu-data/expert.jsonl`, gzipped, the plain file moved out: 18 min on this 2-core CPU, 2026-12-07f); the lease plays
+# the games it did not reach (all of them, ~5 min beside the conversion, when none were staged).
 # LANES (default "warmstart evals fits learn"): warmstart: alfrl sft on every plan (adapter and plans shipped); evals: its
 # 274-game evaluation with data.eval.deterministic true, false, true, compared by `alfrl report` (issue "Reproducible to
 # the bit"); det_a alone ~4.5 min on an H100 (2026-12-07e: its batch-invariant engine compiles, 173 s to start, which the
