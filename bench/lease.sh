@@ -221,7 +221,8 @@ sftrows() {  # issue "The reference recipe at full speed", item 3: one warm-star
 updateprof() {  # is the learning run's update host-bound? (issues "The reference recipe at full speed" and "Learning at scale"):
   # bench/update_alone.py on random weights of the model's shape, 64 synthetic trajectories: the H100 learning recipes'
   # update (4,096-token budget: a trajectory a row, bf16 adapter; UPDATEPROF_VARIANTS names others), once more under
-  # torch.profiler: its kernels' busy share of the wall clock (below 1: the GPU waited). ~1.5 min a run.
+  # torch.profiler: its kernels' busy share of the wall clock (below 1: the GPU waited), and once under CUDA's sync debug
+  # mode: how many of its calls waited for the GPU. ~1.5 min a run.
   # With a baseline staged (`stage .gpu-baseline`: an earlier commit's alfrl/, `git archive COMMIT alfrl | tar -x -C
   # .gpu-baseline`), the same first, with that alfrl, same samples and seeds: old against new on one machine
   local variants; read -ra variants <<< "${UPDATEPROF_VARIANTS:-varlen_rows4096_bf16}"   # (also: varlen_rows16384_bf16_compiled, the H200 recipe's)

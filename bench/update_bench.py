@@ -164,9 +164,29 @@ def update_phase(policy, samples, temperature: float, variants=UPDATE_VARIANTS, 
             out["profile"] = {"variant": name, "seconds": seconds, **profile_tables(prof, seconds, profile_path, f"update ({name})")}
         except Exception:  # noqa: BLE001 - recorded; the other figures stand
             out["profile"] = {"error": traceback.format_exc(limit=4)}
+        if torch.cuda.is_available():  # and once under CUDA's sync debug mode: the update's reads of the device, counted
+            out["profile"]["synchronizing_calls"] = count_synchronizing_calls(lambda: ppo_update(policy, optimizer, samples, temperature))
     _apply_variant(policy, attn0 or "sdpa", ppo0.microbatch_tokens, ckpt0, precision0, adapter0, compiled0)
     policy.hparams.ppo = ppo0
     return out
+
+
+def count_synchronizing_calls(fn) -> dict:
+    """``fn()`` under ``torch.cuda.set_sync_debug_mode("warn")``: how many calls waited for the GPU (each drains its
+    queue), and the five most frequent of their messages."""
+    import collections
+    import warnings
+
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    said = [str(w.message).splitlines()[0][:120] for w in caught if "synchroniz" in str(w.message)]
+    return {"count": len(said), "most_frequent": collections.Counter(said).most_common(5)}
 
 
 def profile_tables(prof, wall: float, path: str, what: str, mode: str = "w") -> dict:
