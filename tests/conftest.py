@@ -53,6 +53,25 @@ def random_model_dir(tmp_path_factory) -> str:
     return str(write_tiny_model(tmp_path_factory.mktemp("random") / "model", seed=0, pretrain_steps=0))
 
 
+@pytest.fixture()
+def policy(tiny_model_dir):
+    """The tiny model with a LoRA r8 whose B is non-zero (the adapter takes part in every score), rows of 256 tokens,
+    log-probs in chunks of 7: test_policy.py and test_ppo.py."""
+    import torch
+
+    from alfrl.policy import AlfrlPolicy, LoRAConfig, OptimizerConfig
+    from alfrl.ppo import PPOConfig
+
+    p = AlfrlPolicy(model_name=tiny_model_dir, dtype="float32", lora=LoRAConfig(rank=8, alpha=16), optim=OptimizerConfig(lr=5e-3),
+                    ppo=PPOConfig(microbatch_tokens=256, logprob_chunk_size=7))
+    p.configure_model()
+    torch.manual_seed(0)
+    for name, param in p.model.named_parameters():
+        if "lora_B" in name:
+            param.data.normal_(0, 0.02)
+    return p
+
+
 @pytest.fixture(scope="session")
 def qwen35_small_dir(tmp_path_factory) -> str:
     """A random-weight checkpoint of Qwen3.5's structure (vision-language, Gated DeltaNet + full attention), small."""

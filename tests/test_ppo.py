@@ -7,23 +7,11 @@ import pytest
 import torch
 
 from alfrl.models import parameter_counts
-from alfrl.policy import AlfrlPolicy, LoRAConfig, OptimizerConfig
+from alfrl.policy import AlfrlPolicy, LoRAConfig
 from alfrl.ppo import PPOConfig, collate, pack_microbatches, ppo_update
 from tests.helpers import tail_sample
 
 LORA8 = LoRAConfig(rank=8, alpha=16)
-
-
-@pytest.fixture()
-def policy(tiny_model_dir):
-    p = AlfrlPolicy(model_name=tiny_model_dir, dtype="float32", lora=LORA8, optim=OptimizerConfig(lr=5e-3),
-                    ppo=PPOConfig(microbatch_tokens=256, logprob_chunk_size=7))
-    p.configure_model()
-    torch.manual_seed(0)
-    for name, param in p.model.named_parameters():  # non-zero LoRA B: the adapter takes part in the scores
-        if "lora_B" in name:
-            param.data.normal_(0, 0.02)
-    return p
 
 
 def test_pack_microbatches_respects_the_budget_without_padding():
