@@ -36,7 +36,7 @@
 # learning run's compile cache does not hold; then ~80 s of games); fits: 3-update fits of recipes/rl_qwen15b_grpo.yaml at 4 games x 8, 20 steps, data.rollout.deterministic true
 # twice (rollouts and adapters hashed), false, and true with torch's deterministic algorithms, warn_only (FITS="..." picks); learn: the learning run of that recipe (issue "Learning at scale") until UNTIL_S seconds after `start`
 # (ARM=gigpo: the GiGPO arm in its own folder; its last adapter shipped; with learneval in LANES it stops EVAL_RESERVE_S, default 300, earlier); learneval: that adapter's
-# 274-game deterministic evaluation (records and summary shipped); sftspeed: alfrl sft's speed (SFTSPEED="recipe plain compiled", also expandable, SFTSPEED_STEPS=8; the way `profiled`: the recipe under Lightning's PyTorchProfiler, its table in results); sftrows: bench/sft_rows.py (a warm-start batch: attention loop, fused varlen, unpacked; ~2 min); updateprof: the learning run's update alone, profiled (~3 min); recipefit: 3 updates of recipes/qwen15b_coder_h200.yaml (an H200). SFT_STEPS=N: a shorter warm start; EVALS="det_a det_b": those evaluations only.
+# 274-game deterministic evaluation (records and summary shipped); sftspeed: alfrl sft's speed (SFTSPEED="recipe plain compiled", also expandable, SFTSPEED_STEPS=8; the way `profiled`: the recipe under Lightning's PyTorchProfiler, its table in results); sftrows: bench/sft_rows.py (a warm-start batch: attention loop, fused varlen, unpacked; ~2 min); updateprof: the learning run's update alone, profiled (~6 min a run); recipefit: 3 updates of recipes/qwen15b_coder_h200.yaml (an H200). SFT_STEPS=N: a shorter warm start; EVALS="det_a det_b": those evaluations only.
 # DRY=1 runs the same lanes on this CPU with the tiny model (hf engine, 2 games a split) to check them before a lease.
 set -uo pipefail
 cd "${ALFRL_REPO:-$(dirname "$0")/..}"
@@ -222,7 +222,8 @@ updateprof() {  # is the learning run's update host-bound? (issues "The referenc
   # bench/update_alone.py on random weights of the model's shape, 64 synthetic trajectories: the H100 learning recipes'
   # update (4,096-token budget: a trajectory a row, bf16 adapter; UPDATEPROF_VARIANTS names others), once more under
   # torch.profiler: its kernels' busy share of the wall clock (below 1: the GPU waited), and once under CUDA's sync debug
-  # mode: how many of its calls waited for the GPU. ~1.5 min a run.
+  # mode: how many of its calls waited for the GPU. 383 / 364 s a run on an H100 (2026-12-07f: the model made and saved,
+  # a warm-up, the timed, profiled and sync-counted updates).
   # With a baseline staged (`stage .gpu-baseline`: an earlier commit's alfrl/, `git archive COMMIT alfrl | tar -x -C
   # .gpu-baseline`), the same first, with that alfrl, same samples and seeds: old against new on one machine
   local variants; read -ra variants <<< "${UPDATEPROF_VARIANTS:-varlen_rows4096_bf16}"   # (also: varlen_rows16384_bf16_compiled, the H200 recipe's)
