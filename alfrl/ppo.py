@@ -169,8 +169,8 @@ class Totals:
                 "clipped": int(sum_in_order([st.clipped for st in stats])),
                 "dual_clipped": int(sum_in_order([st.dual_clipped for st in stats])),
                 "kl": sum_in_order([st.approx_kl_sum for st in stats]), "ratio_sum": sum_in_order([st.ratio_sum for st in stats]),
-                "ratio_min": min((float(st.ratio_min) for st in stats), default=math.inf),
-                "ratio_max": max((float(st.ratio_max) for st in stats), default=-math.inf)}
+                "ratio_min": float(torch.stack([st.ratio_min for st in stats]).min()) if stats else math.inf,
+                "ratio_max": float(torch.stack([st.ratio_max for st in stats]).max()) if stats else -math.inf}
 
 
 def sum_in_order(values: list[torch.Tensor]) -> float:
