@@ -36,7 +36,7 @@
 # learning run's compile cache does not hold; then ~80 s of games); fits: 3-update fits of recipes/rl_qwen15b_grpo.yaml at 4 games x 8, 20 steps, data.rollout.deterministic true
 # twice (rollouts and adapters hashed), false, and true with torch's deterministic algorithms, warn_only (FITS="..." picks); learn: the learning run of that recipe (issue "Learning at scale") until UNTIL_S seconds after `start`
 # (ARM=gigpo: the GiGPO arm in its own folder; its last adapter shipped; with learneval in LANES it stops EVAL_RESERVE_S, default 300, earlier); learneval: that adapter's
-# 274-game deterministic evaluation (records and summary shipped); sftspeed: alfrl sft's speed (SFTSPEED="recipe plain compiled", also expandable, SFTSPEED_STEPS=8; the way `profiled`: the recipe under Lightning's PyTorchProfiler, its table in results); sftrows: bench/sft_rows.py (a warm-start batch: attention loop, fused varlen, unpacked; ~2 min); updateprof: the learning run's update alone, profiled (~6 min a run); recipefit: 3 updates of recipes/qwen15b_coder_h200.yaml (an H200). SFT_STEPS=N: a shorter warm start; EVALS="det_a det_b": those evaluations only.
+# 274-game deterministic evaluation (records and summary shipped); sftspeed: alfrl sft's speed (SFTSPEED="recipe plain compiled", also expandable, SFTSPEED_STEPS=8; the way `profiled`: the recipe under Lightning's PyTorchProfiler, its table in results); sftrows: bench/sft_rows.py (a warm-start batch: attention loop, fused varlen, unpacked; ~2 min); updateprof: the learning run's update alone, profiled (~6 min a run); recipefit: 4 updates of recipes/qwen15b_coder_h200.yaml from the base model, as its earlier fits (~4 min). SFT_STEPS=N: a shorter warm start; EVALS="det_a det_b": those evaluations only.
 # DRY=1 runs the same lanes on this CPU with the tiny model (hf engine, 2 games a split) to check them before a lease.
 set -uo pipefail
 cd "${ALFRL_REPO:-$(dirname "$0")/..}"
@@ -236,11 +236,12 @@ updateprof() {  # is the learning run's update host-bound? (issues "The referenc
     --profile "$W/results/updateprof_profile.txt" --out "$W/results/updateprof.json" || true
 }
 
-recipefit() {  # 3 updates of recipes/qwen15b_coder_h200.yaml as it stands (16,384-token rows: an H200's memory), from the warm start
-  # (issue "A core you would live in", item 6: its steps against the earlier fits of that recipe)
+recipefit() {  # issue "A core you would live in", item 6: 4 updates of recipes/qwen15b_coder_h200.yaml as it stands, from the
+  # base model as its earlier fits ran (updates 1-4 on an H100, 2026-12-06a at 9ddd58c: steps 22.598-29.220 s, mean
+  # 26.043 s; an H200, 2026-12-05a: 21.295-23.856 s over updates 1-5), same seed and games: its steps against theirs
   timed recipefit env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "${ALFRL[@]}" fit --config "$H200FIT" "${MODEL[@]}" \
-    --model.init_adapter "$RUN/sft/checkpoints/last" "${FIT[@]}" --trainer.max_steps 3 --checkpoint.save_every 3 \
-    --periodic_eval.every_n_steps 0 --trainer.default_root_dir "$RUN/recipefit"
+    "${FIT[@]}" --trainer.max_steps 4 --checkpoint.save_every 4 --periodic_eval.every_n_steps 0 \
+    --trainer.default_root_dir "$RUN/recipefit"
   cp "$RUN/recipefit"/csv/version_0/metrics.csv "$W/results/recipefit.metrics.csv" 2>/dev/null; true
 }
 
