@@ -10,8 +10,9 @@
 #   bash bench/lease.sh wait 540                 # until the lanes are done or 540 s pass; results, logs and 4 shipped pieces to $OUT
 #   bash bench/lease.sh send                     # 4 more shipped pieces (adapters come back in pieces of 14 MiB, their sha256 in results;
 #                                                # ~6 s a call: a trainer.ckpt, 31 pieces, in 8 calls, under a minute)
-#   bash bench/lease.sh stop                     # the learning run ends (Lightning's SIGTERM) and ships its newest saved checkpoint
-#                                                # (every 2 updates; send it right after one is saved: `cat .gpu-work/runs/learn/checkpoints/last`)
+#   bash bench/lease.sh stop                     # the learning run ends (SIGTERM: the update in flight ends and is saved, ~40 s
+#                                                # on an H100) and ships that checkpoint (before 2026-12-07g: only the newest of
+#                                                # every 2 updates; the update in flight was lost)
 #                                                # (UNTIL_S counts from `start`, the device budget from the machine's start: leave
 #                                                # the shipping's minutes and a margin; a second `start` skips the setup; the fit's
 #                                                # Timer gets UNTIL less its start, LEARN_START_S=180, and one update, 100 s)
@@ -351,7 +352,7 @@ case "${1:-}" in
       "$lane" || log "$lane failed"
     done; fi
     touch "$W/done"; log "done" ;;
-  stop)  # the running fit ends (Lightning's SIGTERM; on 2026-12-06 it finished its periodic evaluation first); its lane ships the newest saved checkpoint
+  stop)  # the running fit ends (SIGTERM: the update in flight, or its periodic evaluation, ends first and is saved); its lane ships that checkpoint
     touch "$W/stop"; pkill -TERM -f "[a]lfrl.cli fit" && log "stop: SIGTERM to the fit" ;;   # and no later learn lane starts
   send) send "${2:-4}"; pack ;;
   wait)

@@ -1,4 +1,4 @@
-"""Atomic checkpoints every ``save_every`` steps and at the end.
+"""Atomic checkpoints every ``save_every`` steps, at the end, and when the run is stopped by SIGTERM.
 
 Each checkpoint is a folder ``<dirpath>/step-000020/`` holding:
 
@@ -8,6 +8,10 @@ Each checkpoint is a folder ``<dirpath>/step-000020/`` holding:
 - ``merged/`` (with ``save_merged``): base + LoRA as a Hugging Face folder for vLLM or evaluation,
 - ``checksums.json``: the size and sha256 of ``trainer.ckpt`` and the adapter's weights, checked before a resume or
   an evaluation reads them (a damaged file is one line naming the newest intact checkpoint).
+
+A SIGTERM (``kill``, a scheduler's preemption, ``bench/lease.sh stop``) lets the update in flight finish (Lightning's
+signal handling), then that update is saved before the process exits, so a stopped run loses no update and resumes from
+where it stopped.
 
 It is written under a temporary name and renamed into place (a step saved again swaps folders by renames), so a
 crash never leaves a half checkpoint; ``<dirpath>/last`` names the newest one. Resume with ``--ckpt_path <dir>/last`` (or a
@@ -70,6 +74,17 @@ class Checkpointing(L.Callback):
     def on_train_end(self, trainer: L.Trainer, pl_module) -> None:
         if trainer.global_step != self.last_saved_step and trainer.global_step > 0:
             self.save(trainer, pl_module)
+
+    def on_exception(self, trainer: L.Trainer, pl_module, exception: BaseException) -> None:
+        """A SIGTERM stops the run between two updates (Lightning raises ``SIGTERMException`` once the update in flight has
+        ended): the last one is saved. Other exceptions may come mid-update, where the state is not one to resume from."""
+        from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+        if isinstance(exception, SIGTERMException) and trainer.global_step > 0 and trainer.global_step != self.last_saved_step:
+            final = self.save(trainer, pl_module)
+            if trainer.is_global_zero:
+                print(f"stopped by SIGTERM after update {trainer.global_step}: saved {final}; go on with --ckpt_path "
+                      f"{self.folder(trainer) / 'last'}", flush=True)
 
     def save(self, trainer: L.Trainer, policy) -> Path:
         step = trainer.global_step

@@ -307,3 +307,43 @@ def test_resuming_from_a_damaged_checkpoint_stops_before_the_model_loads_and_mak
     assert len(line) == 1 and line[0].endswith(f"use the newest intact checkpoint: --ckpt_path {folders[0]}"), out.stderr[-2000:]
     assert "Traceback" not in out.stderr and "Loading weights" not in out.stderr
     assert sorted(p.name for p in root.iterdir()) == ["checkpoints"]  # no csv/, swanlog/ or lock left behind
+
+
+def test_a_sigterm_saves_the_update_in_flight_and_the_run_goes_on_from_it_as_if_never_stopped(tmp_path, tiny_model_dir):
+    """`kill` (a scheduler's preemption, `bench/lease.sh stop`) once update 1 has written its rollouts, in a fit that saves
+    only at its end: the update in flight (1, or 2 if 1 had ended) ends, is saved, and the process exits 0 naming the
+    checkpoint; resumed from it, the next update plays the same trajectories and gives the same adapter to the bit as a fit
+    never stopped."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    short = ("--data.rollout.max_episode_steps", "2", "--data.games_per_batch", "1", "--data.save_rollouts", "true",
+             "--checkpoint.save_every", "0")
+    stopped, whole = tmp_path / "stopped", tmp_path / "whole"
+    cmd = [sys.executable, "-m", "alfrl.cli", "fit", "--config", "recipes/tiny.yaml", "--trainer.default_root_dir", str(stopped),
+           "--model.model_name", tiny_model_dir, "--trainer.logger", "false", "--trainer.max_steps", "6", *short]
+    fit = subprocess.Popen(cmd, cwd=Path(__file__).parents[1], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not (stopped / "rollouts" / "step-000001-rank0.jsonl").is_file() and fit.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        fit.send_signal(signal.SIGTERM)  # update 1 has written its rollouts: it may still be ending, or update 2 has begun
+        out, err = fit.communicate(timeout=300)
+    finally:
+        fit.kill()
+    assert fit.returncode == 0, err[-2000:]
+    steps = sorted(p.name for p in (stopped / "checkpoints").glob("step-*"))
+    assert len(steps) == 1 and steps[0] in ("step-000001", "step-000002"), steps   # the update in flight, not update 6
+    n = int(steps[0][-6:])
+    assert (stopped / "checkpoints" / "last").read_text() == steps[0]
+    assert f"stopped by SIGTERM after update {n}: saved {stopped / 'checkpoints' / steps[0]}; go on with --ckpt_path" in out
+    resumed = _fit_cli(stopped, tiny_model_dir, "--trainer.max_steps", str(n + 1), "--ckpt_path", str(stopped / "checkpoints" / "last"), *short)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    never = _fit_cli(whole, tiny_model_dir, "--trainer.max_steps", str(n + 1), *short)
+    assert never.returncode == 0, never.stderr[-2000:]
+    name = f"step-{n + 1:06d}-rank0.jsonl"
+    assert (stopped / "rollouts" / name).read_bytes() == (whole / "rollouts" / name).read_bytes()
+    adapter = f"checkpoints/step-{n + 1:06d}/adapter/adapter_model.safetensors"
+    assert (stopped / adapter).read_bytes() == (whole / adapter).read_bytes()
