@@ -11,7 +11,10 @@ trainer, vLLM and the weight sync meet exactly the names and shapes of the real 
 - ``qwen3.5-4b``: Qwen3_5ForConditionalGeneration (a vision-language checkpoint): a 24-block vision
   tower and a text stack of 32 layers (24 Gated DeltaNet ``linear_attention`` + 8 ``full_attention``),
   hidden 2560, 16 / 4 heads of 256, linear attention 16 key / 32 value heads of 128, MLP 9216,
-  vocabulary 248,320, tied embeddings; names ``model.language_model.*`` and ``model.visual.*``.
+  vocabulary 248,320, tied embeddings; names ``model.language_model.*`` and ``model.visual.*``. As the released Qwen3.5
+  configs, the text config names ``mamba_ssm_dtype: float32`` (vLLM keeps the Gated DeltaNet state, and the states its
+  prefix cache stores, in float32; without the key it keeps them in the weights' bf16) and the rotary settings (theta
+  10,000,000, interleaved multimodal sections 11 / 11 / 10 over a quarter of each head).
 - ``qwen3.5-small``: the same structure, every dimension shrunk (the CPU tests).
 """
 
@@ -22,13 +25,17 @@ from pathlib import Path
 
 QWEN3_4B = dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
                 head_dim=128, vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=40960, rope_theta=1_000_000.0)
+QWEN35_RELEASED = dict(mamba_ssm_dtype="float32")   # in every released Qwen3.5 text config; transformers' default has no such key
 QWEN35_4B_TEXT = dict(hidden_size=2560, intermediate_size=9216, num_hidden_layers=32, num_attention_heads=16, num_key_value_heads=4,
                       head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
-                      full_attention_interval=4, vocab_size=248320, tie_word_embeddings=True, max_position_embeddings=262144)
+                      full_attention_interval=4, vocab_size=248320, tie_word_embeddings=True, max_position_embeddings=262144,
+                      rope_parameters=dict(rope_type="default", rope_theta=10_000_000.0, partial_rotary_factor=0.25,
+                                           mrope_section=[11, 11, 10], mrope_interleaved=True), **QWEN35_RELEASED)
 QWEN35_4B_VISION = dict(depth=24, hidden_size=1024, intermediate_size=4096, num_heads=16, out_hidden_size=2560)
 QWEN35_SMALL_TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                          head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
-                         full_attention_interval=4, vocab_size=4096, tie_word_embeddings=True, max_position_embeddings=32768)
+                         full_attention_interval=4, vocab_size=4096, tie_word_embeddings=True, max_position_embeddings=32768,
+                         **QWEN35_RELEASED)
 QWEN35_SMALL_VISION = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
 SHAPES = ("qwen3-4b", "qwen3.5-4b", "qwen3.5-small")
 

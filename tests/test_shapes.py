@@ -1,5 +1,7 @@
 """Qwen3.5's structure on the CPU: a vision-language checkpoint's text stack trains, and its names reach vLLM's loaders."""
 
+from pathlib import Path
+
 import torch
 from safetensors.torch import load_file
 
@@ -22,6 +24,18 @@ def test_the_4b_shape_is_the_reference_structure():
     assert (text.hidden_size, text.num_attention_heads, text.num_key_value_heads, text.head_dim) == (2560, 16, 4, 256)
     assert (text.linear_num_key_heads, text.linear_num_value_heads, text.linear_key_head_dim, text.intermediate_size) == (16, 32, 128, 9216)
     assert text.vocab_size == 248320 and config.tie_word_embeddings
+    # as the released configs: vLLM reads mamba_ssm_dtype for the Gated DeltaNet state (bf16 without it); the rotary
+    # settings of the real checkpoint (a quarter of each 256-wide head: 32 frequencies in sections of 11 / 11 / 10)
+    assert text.mamba_ssm_dtype == "float32"
+    rope = text.rope_parameters
+    assert rope["rope_theta"] == 10_000_000 and rope["mrope_interleaved"] and sum(rope["mrope_section"]) == text.head_dim * rope["partial_rotary_factor"] / 2
+
+
+def test_the_written_checkpoint_names_the_state_dtype_vllm_reads(qwen35_small_dir):
+    import json
+
+    text = json.loads((Path(qwen35_small_dir) / "config.json").read_text())["text_config"]
+    assert text["mamba_ssm_dtype"] == "float32"
 
 
 def test_fewer_layers_keep_every_size_and_the_layer_pattern():
