@@ -37,7 +37,7 @@
 # learning run's compile cache does not hold; then ~80 s of games); fits: 3-update fits of recipes/rl_qwen15b_grpo.yaml at 4 games x 8, 20 steps, data.rollout.deterministic true
 # twice (rollouts and adapters hashed), false, and true with torch's deterministic algorithms, warn_only (FITS="..." picks); learn: the learning run of that recipe (issue "Learning at scale") until UNTIL_S seconds after `start`
 # (ARM=gigpo: the GiGPO arm in its own folder; its last adapter shipped; with learneval in LANES it stops EVAL_RESERVE_S, default 300, earlier); learneval: that adapter's
-# 274-game deterministic evaluation (records and summary shipped); sftspeed: alfrl sft's speed (SFTSPEED="recipe plain compiled", also expandable, SFTSPEED_STEPS=8; the way `profiled`: the recipe under Lightning's PyTorchProfiler, its table in results); sftrows: bench/sft_rows.py (a warm-start batch: attention loop, fused varlen, unpacked; ~2 min); updateprof: the learning run's update alone, profiled (~6 min a run); recipefit: 4 updates of recipes/qwen15b_coder_h200.yaml from the base model, as its earlier fits (~4 min). SFT_STEPS=N: a shorter warm start; EVALS="det_a det_b": those evaluations only.
+# 274-game deterministic evaluation (records and summary shipped); sftspeed: alfrl sft's speed (SFTSPEED="recipe plain compiled", also expandable, SFTSPEED_STEPS=8; the way `profiled`: the recipe under Lightning's PyTorchProfiler, its table in results); sftrows: bench/sft_rows.py (a warm-start batch: attention loop, fused varlen, unpacked; ~2 min); updateprof: the learning run's update alone, profiled (~6 min a run); recipefit: 4 updates of recipes/qwen15b_coder_h200.yaml from the base model, as its earlier fits (~4 min); q35drift: the reference recipe on a random Qwen3.5-4B with CUDA graphs, 2 updates a variant (Q35DRIFT="graphs bf16state noprefix nosleep eager"). SFT_STEPS=N: a shorter warm start; EVALS="det_a det_b": those evaluations only.
 # DRY=1 runs the same lanes on this CPU with the tiny model (hf engine, 2 games a split) to check them before a lease.
 set -uo pipefail
 cd "${ALFRL_REPO:-$(dirname "$0")/..}"
@@ -244,6 +244,40 @@ recipefit() {  # issue "A core you would live in", item 6: 4 updates of recipes/
     "${FIT[@]}" --trainer.max_steps 4 --checkpoint.save_every 4 --periodic_eval.every_n_steps 0 \
     --trainer.default_root_dir "$RUN/recipefit"
   cp "$RUN/recipefit"/csv/version_0/metrics.csv "$W/results/recipefit.metrics.csv" 2>/dev/null; true
+}
+
+q35drift() {  # issue "The reference recipe at full speed", item 1: the reference recipe on a random Qwen3.5-4B-structure
+  # checkpoint, 2 updates at the 2026-12-06 attempt's shape (2 games x 8, 10 steps, 100 tokens a turn, reward noise, the canary
+  # at update 1), one process a variant of Q35DRIFT (default "graphs bf16state"): graphs = CUDA graphs, sleep mode, prefix
+  # caching as the recipe has them; bf16state = the same with the Gated DeltaNet state in bf16 (what the checkpoint of
+  # 2026-12-06 got from vLLM: its config lacked the released configs' mamba_ssm_dtype float32); noprefix = graphs without
+  # prefix caching; nosleep = graphs without sleep mode; eager. Each: engine/probe_drift (0.0 eager, 0.93-1.77 then), the
+  # canary caught or not, the sampler-trainer log-prob gap; results/q35drift_<variant>.metrics.csv. Q35DRIFT_LAYERS=N: N layers.
+  local model=$W/random-q35${Q35DRIFT_LAYERS:+-${Q35DRIFT_LAYERS}l} shape=qwen3.5-4b v extra
+  [ "$DRY" = 1 ] && shape=qwen3.5-small
+  [ -d "$model" ] || timed q35drift_model "${ALFRL[@]}" random-model --shape "$shape" ${Q35DRIFT_LAYERS:+--layers $Q35DRIFT_LAYERS} \
+    --out "$model" || return 1
+  # its loggers CSV only: SwanLab is not in the offline kit (a logger class that cannot be imported fails before an override)
+  "$PY" -c "import sys, yaml; d = yaml.safe_load(open(sys.argv[1])); d['trainer']['logger'] = [{'class_path':
+    'lightning.pytorch.loggers.CSVLogger', 'init_args': {'save_dir': '\${trainer.default_root_dir}', 'name': 'csv'}}]
+yaml.safe_dump(d, open(sys.argv[2], 'w'), sort_keys=False)" recipes/qwen4b_80step.yaml "$W/q35.yaml" || return 1
+  for v in ${Q35DRIFT:-graphs bf16state}; do
+    case $v in
+      graphs) extra=(--data.engine.enforce_eager false) ;;
+      bf16state) extra=(--data.engine.enforce_eager false --data.engine.vllm_args '{mamba_ssm_cache_dtype: bfloat16}') ;;
+      noprefix) extra=(--data.engine.enforce_eager false --data.engine.prefix_caching false) ;;
+      nosleep) extra=(--data.engine.enforce_eager false --data.engine.sleep_mode false) ;;
+      eager) extra=(--data.engine.enforce_eager true) ;;
+      *) log "q35drift: unknown variant $v"; continue ;;
+    esac
+    [ "$DRY" = 1 ] && extra=(--data.engine.kind hf --data.engine.separate_weights true --trainer.accelerator cpu --data.group_size 2 \
+      --data.env.num_workers 2)
+    timed "q35drift_$v" timeout 900 "${ALFRL[@]}" fit --config "$W/q35.yaml" --model.model_name "$model" --data.games_per_batch 2 \
+      --data.rollout.max_episode_steps 10 --data.rollout.max_assistant_tokens 100 --data.reward.noise 0.5 --weight_sync.canary_at_step 1 \
+      --trainer.max_steps 2 --checkpoint.save_every 0 --progress_bar.refresh_rate 0 --trainer.default_root_dir "$RUN/q35drift_$v" "${extra[@]}"
+    cp "$RUN/q35drift_$v"/csv/version_0/metrics.csv "$W/results/q35drift_$v.metrics.csv" 2>/dev/null
+    grep -h "canary\|probe log-probs moved\|WeightSync\|stopped:" "$W/logs/q35drift_$v.log" | tail -n 5 > "$W/results/q35drift_$v.lines.txt"
+  done
 }
 
 learn() {  # the learning run, stopped by max_time (or at update UPTO); it goes on from its arm's newest checkpoint: one staged
