@@ -37,7 +37,7 @@
 # learning run's compile cache does not hold; then ~80 s of games); fits: 3-update fits of recipes/rl_qwen15b_grpo.yaml at 4 games x 8, 20 steps, data.rollout.deterministic true
 # twice (rollouts and adapters hashed), false, and true with torch's deterministic algorithms, warn_only (FITS="..." picks); learn: the learning run of that recipe (issue "Learning at scale") until UNTIL_S seconds after `start`
 # (ARM=gigpo: the GiGPO arm in its own folder; its last adapter shipped; with learneval in LANES it stops EVAL_RESERVE_S, default 300, earlier); learneval: that adapter's
-# 274-game deterministic evaluation (records and summary shipped); sftspeed: alfrl sft's speed (SFTSPEED="recipe plain compiled", also expandable, SFTSPEED_STEPS=8; the way `profiled`: the recipe under Lightning's PyTorchProfiler, its table in results); sftrows: bench/sft_rows.py (a warm-start batch: attention loop, fused varlen, unpacked; ~2 min); updateprof: the learning run's update alone, profiled (~6 min a run); recipefit: 4 updates of recipes/qwen15b_coder_h200.yaml from the base model, as its earlier fits (~4 min); q35drift: the reference recipe on a random Qwen3.5-4B with CUDA graphs, 2 updates a variant (Q35DRIFT="graphs bf16state noprefix nosleep eager"). SFT_STEPS=N: a shorter warm start; EVALS="det_a det_b": those evaluations only.
+# 274-game deterministic evaluation (records and summary shipped); sftspeed: alfrl sft's speed (SFTSPEED="recipe plain compiled", also expandable, SFTSPEED_STEPS=8; the way `profiled`: the recipe under Lightning's PyTorchProfiler, its table in results); sftrows: bench/sft_rows.py (a warm-start batch: attention loop, fused varlen, unpacked; ~2 min); updateprof: the learning run's update alone, profiled (~6 min a run); recipefit: 4 updates of recipes/qwen15b_coder_h200.yaml from the base model, as its earlier fits (~4 min); q35drift: the reference recipe on a random Qwen3.5-4B with CUDA graphs, 2 updates a variant (Q35DRIFT="graphs bf16state noprefix nosleep eager"); probe: bench/stale_memory_probe.py or bench/sleep_probe.py on a random Qwen3.5-4B (PROBE, PROBE_VARIANTS, PROBE_LAYERS). SFT_STEPS=N: a shorter warm start; EVALS="det_a det_b": those evaluations only.
 # DRY=1 runs the same lanes on this CPU with the tiny model (hf engine, 2 games a split) to check them before a lease.
 set -uo pipefail
 cd "${ALFRL_REPO:-$(dirname "$0")/..}"
@@ -252,7 +252,10 @@ q35drift() {  # issue "The reference recipe at full speed", item 1: the referenc
   # caching as the recipe has them; bf16state = the same with the Gated DeltaNet state in bf16 (what the checkpoint of
   # 2026-12-06 got from vLLM: its config lacked the released configs' mamba_ssm_dtype float32); noprefix = graphs without
   # prefix caching; nosleep = graphs without sleep mode; eager. Each: engine/probe_drift (0.0 eager, 0.93-1.77 then), the
-  # canary caught or not, the sampler-trainer log-prob gap; results/q35drift_<variant>.metrics.csv. Q35DRIFT_LAYERS=N: N layers.
+  # canary caught or not, the sampler-trainer log-prob gap; results/q35drift_<variant>.metrics.csv. Q35DRIFT_LAYERS=N: N layers;
+  # Q35DRIFT_ARGS: more overrides for every variant (the reference shape, eager against graphs on one machine: "--data.games_per_batch
+  # 8 --data.rollout.max_episode_steps 50 --data.rollout.max_assistant_tokens 1024"). Stage .gpu-extra first for Qwen3.5's
+  # trainer-side kernels (else transformers' PyTorch fallback: the update 35.8-41.8 s at this shape, 2026-12-06).
   local model=$W/random-q35${Q35DRIFT_LAYERS:+-${Q35DRIFT_LAYERS}l} shape=qwen3.5-4b v extra
   [ "$DRY" = 1 ] && shape=qwen3.5-small
   [ -d "$model" ] || timed q35drift_model "${ALFRL[@]}" random-model --shape "$shape" ${Q35DRIFT_LAYERS:+--layers $Q35DRIFT_LAYERS} \
@@ -274,9 +277,28 @@ yaml.safe_dump(d, open(sys.argv[2], 'w'), sort_keys=False)" recipes/qwen4b_80ste
       --data.env.num_workers 2)
     timed "q35drift_$v" timeout 900 "${ALFRL[@]}" fit --config "$W/q35.yaml" --model.model_name "$model" --data.games_per_batch 2 \
       --data.rollout.max_episode_steps 10 --data.rollout.max_assistant_tokens 100 --data.reward.noise 0.5 --weight_sync.canary_at_step 1 \
-      --trainer.max_steps 2 --checkpoint.save_every 0 --progress_bar.refresh_rate 0 --trainer.default_root_dir "$RUN/q35drift_$v" "${extra[@]}"
+      --trainer.max_steps 2 --checkpoint.save_every 0 --progress_bar.refresh_rate 0 --trainer.default_root_dir "$RUN/q35drift_$v" "${extra[@]}" \
+      ${Q35DRIFT_ARGS:-}
     cp "$RUN/q35drift_$v"/csv/version_0/metrics.csv "$W/results/q35drift_$v.metrics.csv" 2>/dev/null
     grep -h "canary\|probe log-probs moved\|WeightSync\|stopped:" "$W/logs/q35drift_$v.log" | tail -n 5 > "$W/results/q35drift_$v.lines.txt"
+  done
+}
+
+probe() {  # bench/stale_memory_probe.py (PROBE=stale, the default: does the engine read GPU memory it freed?) or
+  # bench/sleep_probe.py (PROBE=sleep: the engine's scores across sleeps) on a random Qwen3.5-4B of PROBE_LAYERS text layers
+  # (default 4; 0: all 32), one process per variant of PROBE_VARIANTS ("ARGS;ARGS"; stale's default: graphs without sleep
+  # mode, graphs with it, eager); results/<PROBE>_probe<i>.json
+  local p=${PROBE:-stale} script=bench/stale_memory_probe.py default="--no-sleep-mode --decode 300 --turns 4;--decode 300 --turns 4;--eager --decode 300 --turns 4"
+  [ "$p" = sleep ] && { script=bench/sleep_probe.py; default=--adapter; }
+  local layers=${PROBE_LAYERS:-4} shape=qwen3.5-4b v a i=0 depth
+  [ "$DRY" = 1 ] && shape=qwen3.5-small
+  local model=$W/random-q35-probe-$layers; depth=(--layers "$layers"); [ "$layers" = 0 ] && depth=()
+  [ -d "$model" ] || timed "probe_model" "${ALFRL[@]}" random-model --shape "$shape" "${depth[@]}" --out "$model" || return 1
+  IFS=';' read -ra variants <<< "${PROBE_VARIANTS-$default}"
+  for v in "${variants[@]}"; do
+    read -ra a <<< "$v"; [ "$DRY" = 1 ] && a+=(--dry --probe-tokens 50 --decode 2)
+    timed "${p}_probe$i" timeout 600 "$PY" "$script" --model "$model" --out "$W/results/${p}_probe$i.json" "${a[@]}"
+    i=$((i + 1))
   done
 }
 
@@ -363,6 +385,7 @@ case "${1:-}" in
   stage)  # stage DIR: a kit chunk, a model piece or .gpu-data, copied to /tmp before the call ends
     case "$2" in
       *gpu-kit*) if [ -f "$2/install.sh" ]; then bash "$2/install.sh" stage "$2"; else bash /tmp/wheel-stage/install.sh stage "$2"; fi ;;
+      *gpu-extra*) bash /tmp/wheel-stage/install.sh stage "$2" ;;   # after c01: wheels the kit lacks (bench/fetch_extra_wheels.sh), installed with it
       *gpu-model*) mkdir -p /tmp/model-stage && cp "$2"/qwen.gguf.part* /tmp/model-stage/ ;;
       *gpu-data*) mkdir -p /tmp/gpu-data && cp -r "$2"/. /tmp/gpu-data/ ;;
       *gpu-baseline*) mkdir -p "$W/baseline" && cp -r "$2"/. "$W/baseline/" ;;   # an earlier commit's alfrl/, for updateprof
@@ -370,7 +393,7 @@ case "${1:-}" in
       *gpu-cache*) mkdir -p "$W" && cat "$2"/*compile_cache.tgz.part* | tar -xz -C "$W" && touch "$W/cache.staged" ;;   # stage .gpu-cache (an earlier lease's d_compile_cache.tgz pieces)
       *gpu-resume*) local_dir=/tmp/resume-stage/$(basename "$(dirname "$2")")   # stage .gpu-resume/R/trainer.ckpt.partNN [R/step R/trainer.ckpt.sha256]
         mkdir -p "$local_dir" && cp "${@:2}" "$local_dir/" ;;
-      *) echo "stage: give .gpu-kit/cNN, .gpu-model/mNN, .gpu-data, .gpu-baseline, .gpu-cache, .gpu-adapters/RUN/pieces/adapter.partNN [...] or .gpu-resume/RUN/..." >&2; exit 2 ;;
+      *) echo "stage: give .gpu-kit/cNN, .gpu-extra, .gpu-model/mNN, .gpu-data, .gpu-baseline, .gpu-cache, .gpu-adapters/RUN/pieces/adapter.partNN [...] or .gpu-resume/RUN/..." >&2; exit 2 ;;
     esac && log "staged $2" ;;
   start)  # the job runs from a copy of the checkout: a later call's checkout (edited meanwhile) does not reach it
     rm -f "$W/done" "$W/stop"; rm -rf "$W/repo" && mkdir -p "$W/repo" && tar -c --exclude=./.git --exclude='./.gpu-*' --exclude=./.venv --exclude=./.cache \
