@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Wheels the offline kit (../shared/gpu-offline) lacks, for the GPU machine (Python 3.12), into .gpu-extra/
-# (git-ignored; stage it like a kit chunk before `install`: bash bench/gpu_campaign.sh stage .gpu-extra).
+# (git-ignored; after the kit's c01 and before `start`: bash bench/lease.sh stage .gpu-extra).
 #   flash-linear-attention + fla-core: transformers' Gated DeltaNet kernels for Qwen3.5's linear-attention
 #     layers on the trainer side. Without them transformers falls back to its PyTorch reference
 #     implementation: on the H200 (2026-12-01) one update of 8 x 12,000-token sequences of the random

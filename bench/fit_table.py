@@ -1,7 +1,7 @@
 """A fit's updates from its CSV log (Lightning's CSVLogger ``metrics.csv``), figures truncated (never rounded up).
 
     python bench/fit_table.py runs/x/csv/version_0/metrics.csv [more.csv ...]          # a markdown table, one row per update
-    python bench/fit_table.py --line base.metrics.csv                                   # one line per fit (gpu_bisect's outcome)
+    python bench/fit_table.py --line base.metrics.csv                                   # one line per fit
     python bench/fit_table.py base.metrics.csv --vllm-log base.log                      # its wall clock from vLLM's stamps
 
 step = ``rollout/seconds`` + ``train/update_seconds`` (what the step waited for after the rollout) + ``sync/total_seconds``
