@@ -27,6 +27,8 @@
 #   UPTO=40 LANES="warmstart learn:gigpo" bash bench/lease.sh start   # the arm carried on (GiGPO) alone; a second `start` on the
 #                                                # same machine goes on from the newest checkpoint the first saved
 #   bash bench/lease.sh stage .gpu-baseline         # before `start`: an earlier commit's alfrl/ for lane updateprof (old against new)
+#   STAGED_LATE=1 ... bash bench/lease.sh start      # then the model's pieces, then the warm start, checkpoint and cache pieces while
+#                                                # the model converts (~60 s), then `bash bench/lease.sh staged`: ~45 s of a lease saved
 # .gpu-data holds json_2.1.1.tar.xz and, if made here, expert.jsonl.gz with its .skipped.json (`alfrl expert --config
 # recipes/qwen15b_coder_h200.yaml --model.model_name .gpu-model --model.gguf_file qwen.gguf --trainer.accelerator cpu
 # --out .gpu-data/expert.jsonl`, gzipped, the plain file moved out: 18 min on this 2-core CPU, 2026-12-07f); the lease plays
@@ -128,6 +130,16 @@ setup() {  # the kit and the games; then, once every model piece is staged, the 
   timed convert "${ALFRL[@]}" convert-gguf "$W/qwen15b-coder" --gguf-file qwen.gguf --out "$W/qwen15b-coder-hf" || return 1
   wait $expert || return 1
   log "$(wc -l < "$EXPERT") expert trajectories"
+}
+
+await_staged() {  # STAGED_LATE=1 (given to `start`): the warm start, a checkpoint and the compile cache are staged after the model's
+  # pieces, while the model converts (~60 s); the lanes begin once `bash bench/lease.sh staged` says they are all there
+  [ "${STAGED_LATE:-0}" = 1 ] || return 0
+  local waited=0
+  until [ -f "$W/staged.done" ]; do
+    sleep 2; waited=$(( waited + 2 )); [ "$waited" -lt 900 ] || { log "STAGED_LATE: no \`staged\` call in 900 s"; return 1; }
+  done
+  log "staged late: the lanes begin"
 }
 
 last_step() { [ -f "$1/last" ] && echo "$1/$(cat "$1/last")"; }   # a checkpoints/ folder's newest step (its file `last` names it)
@@ -396,7 +408,7 @@ case "${1:-}" in
       *) echo "stage: give .gpu-kit/cNN, .gpu-extra, .gpu-model/mNN, .gpu-data, .gpu-baseline, .gpu-cache, .gpu-adapters/RUN/pieces/adapter.partNN [...] or .gpu-resume/RUN/..." >&2; exit 2 ;;
     esac && log "staged $2" ;;
   start)  # the job runs from a copy of the checkout: a later call's checkout (edited meanwhile) does not reach it
-    rm -f "$W/done" "$W/stop"; rm -rf "$W/repo" && mkdir -p "$W/repo" && tar -c --exclude=./.git --exclude='./.gpu-*' --exclude=./.venv --exclude=./.cache \
+    rm -f "$W/done" "$W/stop" "$W/staged.done"; rm -rf "$W/repo" && mkdir -p "$W/repo" && tar -c --exclude=./.git --exclude='./.gpu-*' --exclude=./.venv --exclude=./.cache \
       --exclude=./runs . | tar -x -C "$W/repo" && cp "$0" "$W/lease.sh" || exit 1
     [ "$DRY" = 1 ] && ln -s "$REPO/.venv" "$W/repo/.venv"
     ALFRL_REPO=$W/repo ALFRL_GPU_WORK=$W ALFWORLD_DATA_DRY=$ALFWORLD_DATA_DRY ALFRL_TINY_MODEL=$ALFRL_TINY_MODEL LANES="$LANES" DRY=$DRY SFT_STEPS=${SFT_STEPS:-} EVALS="${EVALS:-}" FITS="${FITS:-}" ARM="${ARM:-}" UPTO=${UPTO:-} UPDATEPROF_VARIANTS="${UPDATEPROF_VARIANTS:-}" EVAL_RESERVE_S=${EVAL_RESERVE_S:-300} UNTIL=$(( $(date +%s) + ${UNTIL_S:-1380} )) \
@@ -404,13 +416,14 @@ case "${1:-}" in
     log "started: $LANES" ;;
   _run)
     # a second `start` on a machine already set up (its wheels installed, the model converted) runs only the lanes
-    if [ -f "$W/setup.done" ] || { setup && touch "$W/setup.done"; }; then for lane in $LANES; do
+    if { [ -f "$W/setup.done" ] || { setup && touch "$W/setup.done"; }; } && await_staged; then for lane in $LANES; do
       case $lane in learn:*) set_arm "${lane#learn:}"; lane=learn ;; learn) set_arm "$ARM0" ;; esac
       "$lane" || log "$lane failed"
     done; fi
     touch "$W/done"; log "done" ;;
   stop)  # the running fit ends (SIGTERM: the update in flight, or its periodic evaluation, ends first and is saved); its lane ships that checkpoint
     touch "$W/stop"; pkill -TERM -f "[a]lfrl.cli fit" && log "stop: SIGTERM to the fit" ;;   # and no later learn lane starts
+  staged) touch "$W/staged.done"; log "staged: every late piece is here" ;;   # with STAGED_LATE=1: the lanes may begin
   send) send "${2:-4}"; pack ;;
   wait)
     end=$(( $(date +%s) + ${2:-540} ))
