@@ -19,7 +19,7 @@
 #   bash bench/lease.sh stage .gpu-adapters/R/pieces/adapter.part00 .gpu-adapters/R/adapter_config.json .gpu-adapters/R/adapter.sha256
 #                                                # then part01, part02, before `start`: the warm start is that adapter, no sft
 #   bash bench/lease.sh stage .gpu-cache            # before `start`, if an earlier lease shipped d_compile_cache.tgz (its pieces in .gpu-cache/): no engine compile
-#   bash bench/lease.sh stage .gpu-resume/R/trainer.ckpt.part00 .gpu-resume/R/step .gpu-resume/R/trainer.ckpt.sha256
+#   bash bench/lease.sh stage .gpu-resume/R/trainer.ckpt.part00 .gpu-resume/R/step .gpu-resume/R/trainer.ckpt.sha256   # step: step-000024
 #                                                # then the other parts (4 a call), before `start`: the arm whose run folder R's
 #                                                # name starts with (learn_stepN: GRPO, learn_gigpo_stepN: GiGPO) resumes from
 #                                                # that checkpoint (--ckpt_path); an earlier lease shipped it as e_learn_step-N_trainer.ckpt
@@ -326,7 +326,10 @@ learn() {  # the learning run, stopped by max_time (or at update UPTO); it goes 
   local resume=() staged step=
   staged=$(ls -d /tmp/resume-stage/"${LD}"_step* 2>/dev/null | head -1)
   if [ -n "$staged" ]; then  # a checkpoint brought back by an earlier lease, written beside (never over) the run's files
-    step=$RUN/$LD/checkpoints/$(cat "$staged/step") || return 1
+    local name; name=$(tr -d '[:space:]' < "$staged/step") || return 1   # step-000024, or 24
+    [[ "$name" =~ ^[0-9]+$ ]] && name=$(printf 'step-%06d' "$((10#$name))")
+    [[ "$name" =~ ^step-[0-9]{6}$ ]] || { log "the staged checkpoint's step file says '$name': write step-NNNNNN (or N) there"; return 1; }
+    step=$RUN/$LD/checkpoints/$name
     mkdir -p "$step" && cat "$staged"/trainer.ckpt.part* > "$W/tmp/staged.ckpt" || return 1
     [ "$(sha256sum < "$W/tmp/staged.ckpt" | cut -d' ' -f1)" = "$(cut -d' ' -f1 "$staged/trainer.ckpt.sha256")" ] \
       || { log "the staged checkpoint's checksum does not match (stage its pieces again)"; return 1; }
