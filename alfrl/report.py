@@ -394,6 +394,27 @@ def eval_rows(records: list[dict]) -> list[dict]:
     return [by_update[k] for k in sorted(by_update)]
 
 
+def start_row(start: str, eval_files: list[str]) -> dict:
+    """The periodic evaluation's row for update 0: the success of the starting adapter's `alfrl eval` records (``start``)
+    on the games the periodic evaluations played (those of ``eval_files``: a run's ``evals/update-N.jsonl``), overall, per
+    split and per task type. Its engine may differ from theirs (the training engine is not batch-invariant)."""
+    games: set[str] = set()
+    for f in eval_files:
+        _header, played, _summary = read_results(f)
+        games |= {g["game_id"] for g in played}
+    _header, records, _summary = read_results(start)
+    chosen = [g for g in records if g["game_id"] in games]
+    missing = len(games) - len({g["game_id"] for g in chosen})
+    if missing:
+        raise EvalError(f"{start} lacks {missing} of the {len(games)} games of the periodic evaluation ({eval_files[0]}): "
+                        "give the records of an evaluation of the starting adapter on every split (alfrl eval)")
+    summary = summarize(chosen)
+    row: dict = {"update": 0, "success_rate": summary["overall"]["success_rate"]}
+    row.update({split: block["success_rate"] for split, block in summary["splits"].items() if split in SPLIT_COLUMNS})
+    row.update({f"task/{task}": wins / n for task, (wins, n) in task_type_wins(summary).items() if n})
+    return row
+
+
 def _eval_columns(rows: list[dict]) -> list[str]:
     names = {k for r in rows for k in r if k != "update"}
     return ["success_rate", *[s for s in SPLIT_COLUMNS if s in names],
@@ -407,7 +428,7 @@ def eval_markdown(rows: list[dict]) -> str:
     lines = [f"\n## Periodic evaluation ({len(rows)} evaluation{'s' * (len(rows) != 1)}, success, the same games each time)\n",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        lines.append("| " + " | ".join([str(r["update"]), *[_pct(r.get(c)) for c in cols]]) + " |")
+        lines.append("| " + " | ".join(["0 (start)" if r["update"] == 0 else str(r["update"]), *[_pct(r.get(c)) for c in cols]]) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -505,6 +526,12 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", required=True, help="folder for report.md, summaries.json, the charts (and report.html)")
     parser.add_argument("--train-log", nargs="+", default=None, metavar="RUN_DIR_OR_CSV",
                         help="also plot the training curves of this run (its default_root_dir or metrics.csv files)")
+    parser.add_argument("--start", default=None, metavar="RECORDS",
+                        help="with --train-log: the starting adapter's alfrl eval records; the periodic evaluation's curves begin "
+                        "at update 0 with its success on their games")
+    parser.add_argument("--evals", nargs="+", default=[], metavar="EVAL_JSONL",
+                        help="with --start: a periodic evaluation's records (a run's evals/update-N.jsonl) naming its games "
+                        "(default: those in each --train-log run folder)")
     parser.add_argument("--html", action="store_true", help="also write report.html: every game and trajectory, filterable, self-contained")
     parser.add_argument("--html-games", type=int, default=None, metavar="N",
                         help="report.html shows N games that every run played, spread over the task types (default: every game)")
@@ -553,6 +580,17 @@ def main(argv: list[str]) -> int:
     train_rows = training_rows(records)
     text += training_markdown(train_rows) if train_rows else ""
     evals = eval_rows(records)
+    if args.start:
+        eval_files = args.evals or [str(p) for d in args.train_log or [] if Path(d).is_dir() for p in sorted(Path(d).glob("evals/update-*.jsonl"))]
+        if not args.train_log or not eval_files:
+            print("alfrl report: --start scores the starting adapter on the periodic evaluation's games: give --train-log RUN_DIR "
+                  "(with its evals/ folder) or --evals RUN/evals/update-N.jsonl", file=sys.stderr)
+            return 2
+        try:
+            evals = [start_row(args.start, eval_files), *[r for r in evals if r["update"] != 0]]
+        except EvalError as e:
+            print(f"alfrl report: {e}", file=sys.stderr)
+            return 2
     text += eval_markdown(evals) if evals else ""
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -275,3 +275,36 @@ def test_a_runs_curves_alone_need_no_evaluation_files(tmp_path, capfd):
                        (("--train-log", str(tmp_path / "run"), "--html"), "--html shows evaluated games")]:
         out = alfrl_here(capfd, "report", *argv, "--out", str(tmp_path / "r2"))
         assert out.returncode == 2 and said in out.stderr and "Traceback" not in out.stderr
+
+
+def test_the_periodic_curves_begin_with_the_starting_adapter_on_the_same_games(tmp_path, capsys):
+    """--start: update 0 is the starting adapter's evaluation cut to the games the periodic evaluation played (read from
+    the run's evals/ folder): a 4-game evaluation, of which the periodic one played 3; a start that lacks one of those
+    games, or no periodic games to find, is one line."""
+    from alfrl.report import main as report_main
+
+    run = tmp_path / "run"
+    (run / "csv" / "version_0").mkdir(parents=True)
+    (run / "csv" / "version_0" / "metrics.csv").write_text(
+        "step,eval/success_rate,eval/valid_seen/success_rate,eval/task/pick_and_place_simple/success_rate\n9,1.0,1.0,1.0\n")
+    (run / "evals").mkdir()
+    periodic = [dict(r, won=True) for r in HAND_MADE[:3]]  # valid_seen a, b, c
+    (run / "evals" / "update-000010.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [{"type": "header", "config": {}}, *periodic]))
+    start = tmp_path / "start.jsonl"
+    start.write_text("".join(json.dumps(r) + "\n" for r in [{"type": "header", "config": {}}, *HAND_MADE]))  # a won, b lost, c won, d lost
+    out = tmp_path / "r"
+    assert report_main(["--train-log", str(run), "--start", str(start), "--out", str(out)]) == 0
+    lines = (out / "eval_curves.csv").read_text().splitlines()
+    assert lines[0] == "update,success_rate,valid_seen,task/pick_and_place_simple,task/look_at_obj_in_light"
+    assert lines[1] == "0,0.6666666666666666,0.6666666666666666,0.5,1.0"  # 2 of the 3 periodic games; d (unseen) left out
+    assert lines[2].startswith("10,1.0,1.0,1.0")
+    assert "| 0 (start) | 66.67% | 66.67% |" in (out / "report.md").read_text()
+    short = tmp_path / "short.jsonl"
+    short.write_text("".join(json.dumps(r) + "\n" for r in [{"type": "header", "config": {}}, *HAND_MADE[:2]]))
+    capsys.readouterr()
+    assert report_main(["--train-log", str(run), "--start", str(short), "--out", str(out)]) == 2
+    assert f"{short} lacks 1 of the 3 games of the periodic evaluation" in capsys.readouterr().err
+    assert report_main(["--train-log", str(run / "csv" / "version_0" / "metrics.csv"), "--start", str(start), "--out", str(out)]) == 2
+    assert "give --train-log RUN_DIR (with its evals/ folder) or --evals" in capsys.readouterr().err
+    assert report_main(["--train-log", str(run / "csv" / "version_0" / "metrics.csv"), "--start", str(start), "--evals",
+                        str(run / "evals" / "update-000010.jsonl"), "--out", str(out)]) == 0
