@@ -396,6 +396,18 @@ pack() {  # results and the logs' ends into $OUT (8 files at most)
   cp "$W/logs/lease.log" "$OUT/" 2>/dev/null; true
 }
 
+progress() {  # the learning runs' newest update and periodic evaluations, read from their CSV logs (what decides a `learneval`)
+  local d
+  for d in "$RUN"/learn*; do
+    [ -d "$d/csv" ] || continue
+    PYTHONPATH=${ALFRL_REPO:-$REPO}:${PYTHONPATH:-} "$PY" -c "import sys
+from alfrl.report import eval_rows, log_records
+recs = log_records([sys.argv[1]]); steps = [int(float(r['step'])) for r in recs if r.get('step') not in (None, '')]
+print(sys.argv[2] + ': update', max(steps) + 1 if steps else 0, ' '.join(
+    f\"| eval at {r['update']}: {100 * r['success_rate']:.2f}%\" for r in eval_rows(recs)))" "$d" "$(basename "$d")" 2>/dev/null
+  done; true
+}
+
 case "${1:-}" in
   stage)  # stage DIR: a kit chunk, a model piece or .gpu-data, copied to /tmp before the call ends
     case "$2" in
@@ -433,6 +445,7 @@ case "${1:-}" in
     [ -f "$W/logs/job.log" ] || { echo "wait: nothing started on this machine (a fresh one?)" >&2; exit 1; }
     while [ "$(date +%s)" -lt "$end" ] && [ ! -f "$W/done" ]; do sleep 5; done
     send 4; pack; tail -n 20 "$W/logs/lease.log"; cat "$W/results/times.txt" 2>/dev/null
+    progress
     [ -f "$W/done" ] && echo "all done" ;;
   *) sed -n 2,12p "$0"; exit 2 ;;
 esac
