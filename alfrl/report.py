@@ -482,6 +482,10 @@ def training_markdown(rows: list[dict]) -> str:
         if values:
             total = sum(values)
             lines.append(f"| {label} | {total / len(values):.2f} | {min(values):.2f} | {max(values):.2f} | {total:.2f} | {len(values)} |")
+    walls = [r["seconds_wall"] for r in rows if r.get("seconds_wall") is not None]
+    if walls:  # the figure to set beside other runs' GPU-hours (times the GPUs of the run)
+        lines.append(f"\nIn all: {sum(walls):.2f} s of steps = {sum(walls) / 3600:.3f} h of wall clock over {len(walls)} updates "
+                     "(each GPU of the run for that long; the processes' starts, checkpoints and periodic evaluations not in it).")
     return "\n".join(lines) + "\n" if len(lines) > 3 else ""
 
 

@@ -132,6 +132,7 @@ def test_report_training_curves_merge_a_resumed_run(tmp_path):
     assert "| step, wall clock | 27.12 | 22.25 | 32.00 | 54.25 | 2 |" in report  # the total over the updates that logged it
     assert "| between the parts (wall clock - parts) | 0.62 | 0.50 | 0.75 | 1.25 | 2 |" in report
     assert "| update after the rollout | 4.00 | 1.00 | 6.00 | 12.00 | 3 |" in report
+    assert "In all: 54.25 s of steps = 0.015 h of wall clock over 2 updates" in report  # beside other runs' GPU-hours
     assert (out / "training_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(SystemExit, match="no metrics.csv"):
         training_rows(log_records([str(tmp_path / "report")]))
