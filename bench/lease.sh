@@ -258,6 +258,14 @@ recipefit() {  # issue "A core you would live in", item 6: 4 updates of recipes/
   cp "$RUN/recipefit"/csv/version_0/metrics.csv "$W/results/recipefit.metrics.csv" 2>/dev/null; true
 }
 
+random_q35() {  # random_q35 LAYERS: the folder of a random Qwen3.5-4B-structure checkpoint of LAYERS text layers (0: all 32;
+  # the small shape in a dry run), made once on this machine
+  local model=$W/random-q35-$1l depth=(--layers "$1") shape=qwen3.5-4b
+  [ "$1" = 0 ] && depth=(); [ "$DRY" = 1 ] && shape=qwen3.5-small
+  [ -d "$model" ] || timed "random_q35_$1l" "${ALFRL[@]}" random-model --shape "$shape" "${depth[@]}" --out "$model" >&2 || return 1
+  echo "$model"
+}
+
 q35drift() {  # issue "The reference recipe at full speed", item 1: the reference recipe on a random Qwen3.5-4B-structure
   # checkpoint, 2 updates at the 2026-12-06 attempt's shape (2 games x 8, 10 steps, 100 tokens a turn, reward noise, the canary
   # at update 1), one process a variant of Q35DRIFT (default "graphs bf16state"): graphs = CUDA graphs, sleep mode, prefix
@@ -268,10 +276,8 @@ q35drift() {  # issue "The reference recipe at full speed", item 1: the referenc
   # Q35DRIFT_ARGS: more overrides for every variant (the reference shape, eager against graphs on one machine: "--data.games_per_batch
   # 8 --data.rollout.max_episode_steps 50 --data.rollout.max_assistant_tokens 1024"). Stage .gpu-extra first for Qwen3.5's
   # trainer-side kernels (else transformers' PyTorch fallback: the update 35.8-41.8 s at this shape, 2026-12-06).
-  local model=$W/random-q35${Q35DRIFT_LAYERS:+-${Q35DRIFT_LAYERS}l} shape=qwen3.5-4b v extra
-  [ "$DRY" = 1 ] && shape=qwen3.5-small
-  [ -d "$model" ] || timed q35drift_model "${ALFRL[@]}" random-model --shape "$shape" ${Q35DRIFT_LAYERS:+--layers $Q35DRIFT_LAYERS} \
-    --out "$model" || return 1
+  local model v extra
+  model=$(random_q35 "${Q35DRIFT_LAYERS:-0}") || return 1
   # its loggers CSV only: SwanLab is not in the offline kit (a logger class that cannot be imported fails before an override)
   "$PY" -c "import sys, yaml; d = yaml.safe_load(open(sys.argv[1])); d['trainer']['logger'] = [{'class_path':
     'lightning.pytorch.loggers.CSVLogger', 'init_args': {'save_dir': '\${trainer.default_root_dir}', 'name': 'csv'}}]
@@ -302,10 +308,8 @@ probe() {  # bench/stale_memory_probe.py (PROBE=stale, the default: does the eng
   # mode, graphs with it, eager); results/<PROBE>_probe<i>.json
   local p=${PROBE:-stale} script=bench/stale_memory_probe.py default="--no-sleep-mode --decode 300 --turns 4;--decode 300 --turns 4;--eager --decode 300 --turns 4"
   [ "$p" = sleep ] && { script=bench/sleep_probe.py; default=--adapter; }
-  local layers=${PROBE_LAYERS:-4} shape=qwen3.5-4b v a i=0 depth
-  [ "$DRY" = 1 ] && shape=qwen3.5-small
-  local model=$W/random-q35-probe-$layers; depth=(--layers "$layers"); [ "$layers" = 0 ] && depth=()
-  [ -d "$model" ] || timed "probe_model" "${ALFRL[@]}" random-model --shape "$shape" "${depth[@]}" --out "$model" || return 1
+  local model v a i=0
+  model=$(random_q35 "${PROBE_LAYERS:-4}") || return 1
   IFS=';' read -ra variants <<< "${PROBE_VARIANTS-$default}"
   for v in "${variants[@]}"; do
     read -ra a <<< "$v"; [ "$DRY" = 1 ] && a+=(--dry --probe-tokens 50 --decode 2)
