@@ -115,6 +115,7 @@ setup() {  # the kit and the games; then, once every model piece is staged, the 
   # 3,553 below, ~5 min with 12 workers beside the GGUF's conversion
   if [ -f /tmp/gpu-data/expert.jsonl.gz ]; then
     gunzip -c /tmp/gpu-data/expert.jsonl.gz > "$EXPERT" && cp /tmp/gpu-data/expert.jsonl.skipped.json "$EXPERT.skipped.json" || return 1
+    wc -l < "$EXPERT" > "$W/expert.staged_lines"   # the warm start ships the plans back only if this machine added some
   else log "no expert plans staged: all of them made here"; fi
   df -h /tmp "$W" > "$W/results/disk.txt" 2>&1
   local waited=0
@@ -167,7 +168,10 @@ warmstart() {  # the warm start: alfrl sft on every expert plan; its adapter shi
       "${SFT_ARGS[@]}" "${SFT_PLAIN[@]}" || return 1
   fi
   cp "$RUN/sft"/csv/version_0/metrics.csv "$W/results/sft.metrics.csv" 2>/dev/null
-  gzip -c "$EXPERT" > "$W/expert.jsonl.gz" && cp "$EXPERT.skipped.json" "$W/results/" && ship "$W/expert.jsonl.gz" a_expert.jsonl.gz
+  cp "$EXPERT.skipped.json" "$W/results/"
+  if [ "$(wc -l < "$EXPERT")" -gt "$(cat "$W/expert.staged_lines" 2>/dev/null || echo 0)" ]; then   # plans made here: back, for .gpu-data
+    gzip -c "$EXPERT" > "$W/expert.jsonl.gz" && ship "$W/expert.jsonl.gz" a_expert.jsonl.gz
+  fi
   local last; last=$(last_step "$RUN/sft/checkpoints") || return 1
   ship "$last/adapter/adapter_model.safetensors" b_sft_adapter.safetensors
   cp "$last/adapter/adapter_config.json" "$W/results/sft_adapter_config.json"
