@@ -39,7 +39,7 @@
 # learning run's compile cache does not hold; then ~80 s of games); fits: 3-update fits of recipes/rl_qwen15b_grpo.yaml at 4 games x 8, 20 steps, data.rollout.deterministic true
 # twice (rollouts and adapters hashed), false, and true with torch's deterministic algorithms, warn_only (FITS="..." picks); learn: the learning run of that recipe (issue "Learning at scale") until UNTIL_S seconds after `start`
 # (ARM=gigpo: the GiGPO arm in its own folder; its last adapter shipped; with learneval in LANES it stops EVAL_RESERVE_S, default 300, earlier); learneval: that adapter's
-# 274-game deterministic evaluation (records and summary shipped); sftspeed: alfrl sft's speed (SFTSPEED="recipe plain compiled", also expandable, SFTSPEED_STEPS=8; the way `profiled`: the recipe under Lightning's PyTorchProfiler, its table in results); sftrows: bench/sft_rows.py (a warm-start batch: attention loop, fused varlen, unpacked; ~2 min); updateprof: the learning run's update alone, profiled (~6 min a run); recipefit: 4 updates of recipes/qwen15b_coder_h200.yaml from the base model, as its earlier fits (~4 min); q35drift: the reference recipe on a random Qwen3.5-4B with CUDA graphs, 2 updates a variant (Q35DRIFT="graphs bf16state noprefix nosleep eager"); probe: bench/stale_memory_probe.py or bench/sleep_probe.py on a random Qwen3.5-4B (PROBE, PROBE_VARIANTS, PROBE_LAYERS). SFT_STEPS=N: a shorter warm start; EVALS="det_a det_b": those evaluations only.
+# 274-game deterministic evaluation (records and summary shipped); sftspeed: alfrl sft's speed (SFTSPEED="recipe plain compiled", also expandable, SFTSPEED_STEPS=8; the way `profiled`: the recipe under Lightning's PyTorchProfiler, its table in results); sftrows: bench/sft_rows.py (a warm-start batch: attention loop, fused varlen, unpacked; ~2 min); updateprof: the learning run's update alone, profiled (~6 min a run); recipefit: 4 updates of recipes/qwen15b_coder_h200.yaml from the base model, as its earlier fits (~4 min); q35drift: the reference recipe on a random Qwen3.5-4B with CUDA graphs, 2 updates a variant (Q35DRIFT="graphs bf16state noprefix nosleep sepcore fulldecode piecewise eager"); probe: bench/stale_memory_probe.py or bench/sleep_probe.py on a random Qwen3.5-4B (PROBE, PROBE_VARIANTS, PROBE_LAYERS). SFT_STEPS=N: a shorter warm start; EVALS="det_a det_b": those evaluations only.
 # DRY=1 runs the same lanes on this CPU with the tiny model (hf engine, 2 games a split) to check them before a lease.
 set -uo pipefail
 cd "${ALFRL_REPO:-$(dirname "$0")/..}"
@@ -275,7 +275,8 @@ q35drift() {  # issue "The reference recipe at full speed", item 1: the referenc
   # at update 1), one process a variant of Q35DRIFT (default "graphs bf16state"): graphs = CUDA graphs, sleep mode, prefix
   # caching as the recipe has them; bf16state = the same with the Gated DeltaNet state in bf16 (what the checkpoint of
   # 2026-12-06 got from vLLM: its config lacked the released configs' mamba_ssm_dtype float32); noprefix = graphs without
-  # prefix caching; nosleep = graphs without sleep mode; eager. Each: engine/probe_drift (0.0 eager, 0.93-1.77 then), the
+  # prefix caching; nosleep = graphs without sleep mode; sepcore = graphs, the engine core in its own process (no sleep mode,
+# 0.4 of the GPU); fulldecode / piecewise = graphs of that vLLM cudagraph_mode only; eager. Each: engine/probe_drift (0.0 eager, 0.93-1.77 then), the
   # canary caught or not, the sampler-trainer log-prob gap; results/q35drift_<variant>.metrics.csv. Q35DRIFT_LAYERS=N: N layers;
   # Q35DRIFT_ARGS: more overrides for every variant (the reference shape, eager against graphs on one machine: "--data.games_per_batch
   # 8 --data.rollout.max_episode_steps 50 --data.rollout.max_assistant_tokens 1024"). Stage .gpu-extra first for Qwen3.5's
@@ -292,6 +293,10 @@ yaml.safe_dump(d, open(sys.argv[2], 'w'), sort_keys=False)" recipes/qwen4b_80ste
       bf16state) extra=(--data.engine.enforce_eager false --data.engine.vllm_args '{mamba_ssm_cache_dtype: bfloat16}') ;;
       noprefix) extra=(--data.engine.enforce_eager false --data.engine.prefix_caching false) ;;
       nosleep) extra=(--data.engine.enforce_eager false --data.engine.sleep_mode false) ;;
+      sepcore) extra=(--data.engine.enforce_eager false --data.engine.separate_process true --data.engine.sleep_mode false \
+        --data.engine.gpu_memory_utilization 0.4) ;;   # the engine core in its own process (own CUDA context), beside the trainer
+      fulldecode) extra=(--data.engine.enforce_eager false --data.engine.cudagraph_mode full_decode_only) ;;
+      piecewise) extra=(--data.engine.enforce_eager false --data.engine.cudagraph_mode piecewise) ;;
       eager) extra=(--data.engine.enforce_eager true) ;;
       *) log "q35drift: unknown variant $v"; continue ;;
     esac
