@@ -39,7 +39,7 @@
 # learning run's compile cache does not hold; then ~80 s of games); fits: 3-update fits of recipes/rl_qwen15b_grpo.yaml at 4 games x 8, 20 steps, data.rollout.deterministic true
 # twice (rollouts and adapters hashed), false, and true with torch's deterministic algorithms, warn_only (FITS="..." picks); learn: the learning run of that recipe (issue "Learning at scale") until UNTIL_S seconds after `start`
 # (ARM=gigpo: the GiGPO arm in its own folder; its last adapter shipped; with learneval in LANES it stops EVAL_RESERVE_S, default 300, earlier); learneval: that adapter's
-# 274-game deterministic evaluation (records and summary shipped); sftspeed: alfrl sft's speed (SFTSPEED="recipe plain compiled", also expandable, SFTSPEED_STEPS=8; the way `profiled`: the recipe under Lightning's PyTorchProfiler, its table in results); sftrows: bench/sft_rows.py (a warm-start batch: attention loop, fused varlen, unpacked; ~2 min); updateprof: the learning run's update alone, profiled (~6 min a run); recipefit: 4 updates of recipes/qwen15b_coder_h200.yaml from the base model, as its earlier fits (~4 min); q35drift: the reference recipe on a random Qwen3.5-4B with CUDA graphs, 2 updates a variant (Q35DRIFT="graphs bf16state noprefix nosleep sepcore fulldecode piecewise eager"); probe: bench/stale_memory_probe.py or bench/sleep_probe.py on a random Qwen3.5-4B (PROBE, PROBE_VARIANTS, PROBE_LAYERS). SFT_STEPS=N: a shorter warm start; EVALS="det_a det_b": those evaluations only.
+# 274-game deterministic evaluation (records and summary shipped); sftspeed: alfrl sft's speed (SFTSPEED="recipe plain compiled", also expandable and rows4096 (the update's row size), SFTSPEED_STEPS=8; the way `profiled`: the recipe under Lightning's PyTorchProfiler, its table in results); sftrows: bench/sft_rows.py (a warm-start batch: attention loop, fused varlen, unpacked; ~2 min); updateprof: the learning run's update alone, profiled (~6 min a run); recipefit: 4 updates of recipes/qwen15b_coder_h200.yaml from the base model, as its earlier fits (~4 min); q35drift: the reference recipe on a random Qwen3.5-4B with CUDA graphs, 2 updates a variant (Q35DRIFT="graphs bf16state noprefix nosleep sepcore fulldecode piecewise eager"); probe: bench/stale_memory_probe.py or bench/sleep_probe.py on a random Qwen3.5-4B (PROBE, PROBE_VARIANTS, PROBE_LAYERS). SFT_STEPS=N: a shorter warm start; EVALS="det_a det_b": those evaluations only.
 # DRY=1 runs the same lanes on this CPU with the tiny model (hf engine, 2 games a split) to check them before a lease.
 set -uo pipefail
 cd "${ALFRL_REPO:-$(dirname "$0")/..}"
@@ -186,10 +186,11 @@ sftspeed() {  # issue "The reference recipe at full speed", item 3: alfrl sft as
     alloc=expandable_segments:False
     case $name in recipe) extra=() ;; plain) extra=("${SFT_PLAIN[@]}") ;; expandable) extra=(); alloc=expandable_segments:True ;;
       compiled) extra=(--model.compile_layers true); alloc=expandable_segments:True ;;
+      rows4096) extra=(--model.ppo.microbatch_tokens 4096) ;;   # the H100 update's rows: ~2 expert plans a row instead of ~10
       profiled) extra=(--trainer.profiler.class_path lightning.pytorch.profilers.PyTorchProfiler   # steps 3-5 under
         --trainer.profiler.init_args.dirpath "$RUN/sftspeed_profiled/prof" --trainer.profiler.init_args.filename sft   # torch.profiler,
         --trainer.profiler.init_args.row_limit 60) ;;                                                                 # GPU time first
-      *) log "sftspeed: no way named $name (recipe plain expandable compiled profiled)"; continue ;; esac
+      *) log "sftspeed: no way named $name (recipe plain expandable compiled rows4096 profiled)"; continue ;; esac
     timed "sftspeed_$name" env PYTORCH_CUDA_ALLOC_CONF=$alloc "${ALFRL[@]}" sft --config "$SFT" "${MODEL[@]}" --data.expert_file "$EXPERT" "${SFT_ARGS[@]}" "${extra[@]}" \
       --trainer.max_steps "${SFTSPEED_STEPS:-8}" --trainer.limit_val_batches 0 --trainer.default_root_dir "$RUN/sftspeed_$name"
     cp "$RUN/sftspeed_$name"/csv/version_0/metrics.csv "$W/results/sftspeed_$name.metrics.csv" 2>/dev/null
