@@ -115,7 +115,6 @@ setup() {  # the kit and the games; then, once every model piece is staged, the 
   # 3,553 below, ~5 min with 12 workers beside the GGUF's conversion
   if [ -f /tmp/gpu-data/expert.jsonl.gz ]; then
     gunzip -c /tmp/gpu-data/expert.jsonl.gz > "$EXPERT" && cp /tmp/gpu-data/expert.jsonl.skipped.json "$EXPERT.skipped.json" || return 1
-    wc -l < "$EXPERT" > "$W/expert.staged_lines"   # the warm start ships the plans back only if this machine added some
   else log "no expert plans staged: all of them made here"; fi
   df -h /tmp "$W" > "$W/results/disk.txt" 2>&1
   local waited=0
@@ -169,7 +168,8 @@ warmstart() {  # the warm start: alfrl sft on every expert plan; its adapter shi
   fi
   cp "$RUN/sft"/csv/version_0/metrics.csv "$W/results/sft.metrics.csv" 2>/dev/null
   cp "$EXPERT.skipped.json" "$W/results/"
-  if [ "$(wc -l < "$EXPERT")" -gt "$(cat "$W/expert.staged_lines" 2>/dev/null || echo 0)" ]; then   # plans made here: back, for .gpu-data
+  local staged=0; [ -f /tmp/gpu-data/expert.jsonl.gz ] && staged=$(gunzip -c /tmp/gpu-data/expert.jsonl.gz | wc -l)
+  if [ "$(wc -l < "$EXPERT")" -gt "$staged" ]; then   # plans made on this machine (none or not all staged): back, for .gpu-data
     gzip -c "$EXPERT" > "$W/expert.jsonl.gz" && ship "$W/expert.jsonl.gz" a_expert.jsonl.gz
   fi
   local last; last=$(last_step "$RUN/sft/checkpoints") || return 1
@@ -276,8 +276,8 @@ q35drift() {  # issue "The reference recipe at full speed", item 1: the referenc
   # at update 1), one process a variant of Q35DRIFT (default "graphs bf16state"): graphs = CUDA graphs, sleep mode, prefix
   # caching as the recipe has them; bf16state = the same with the Gated DeltaNet state in bf16 (what the checkpoint of
   # 2026-12-06 got from vLLM: its config lacked the released configs' mamba_ssm_dtype float32); noprefix = graphs without
-  # prefix caching; nosleep = graphs without sleep mode; sepcore = graphs, the engine core in its own process (no sleep mode,
-# 0.4 of the GPU); fulldecode / piecewise = graphs of that vLLM cudagraph_mode only; eager. Each: engine/probe_drift (0.0 eager, 0.93-1.77 then), the
+  # prefix caching; nosleep = graphs without sleep mode; sepcore = graphs, the engine core in its own process (its own CUDA
+  # context; no sleep mode, 0.4 of the GPU); fulldecode / piecewise = graphs of that vLLM cudagraph_mode only; eager. Each: engine/probe_drift (0.0 eager, 0.93-1.77 then), the
   # canary caught or not, the sampler-trainer log-prob gap; results/q35drift_<variant>.metrics.csv. Q35DRIFT_LAYERS=N: N layers;
   # Q35DRIFT_ARGS: more overrides for every variant (the reference shape, eager against graphs on one machine: "--data.games_per_batch
   # 8 --data.rollout.max_episode_steps 50 --data.rollout.max_assistant_tokens 1024"). Stage .gpu-extra first for Qwen3.5's
@@ -289,15 +289,15 @@ q35drift() {  # issue "The reference recipe at full speed", item 1: the referenc
     'lightning.pytorch.loggers.CSVLogger', 'init_args': {'save_dir': '\${trainer.default_root_dir}', 'name': 'csv'}}]
 yaml.safe_dump(d, open(sys.argv[2], 'w'), sort_keys=False)" recipes/qwen4b_80step.yaml "$W/q35.yaml" || return 1
   for v in ${Q35DRIFT:-graphs bf16state}; do
+    extra=(--data.engine.enforce_eager false)   # every variant but eager runs CUDA graphs
     case $v in
-      graphs) extra=(--data.engine.enforce_eager false) ;;
-      bf16state) extra=(--data.engine.enforce_eager false --data.engine.vllm_args '{mamba_ssm_cache_dtype: bfloat16}') ;;
-      noprefix) extra=(--data.engine.enforce_eager false --data.engine.prefix_caching false) ;;
-      nosleep) extra=(--data.engine.enforce_eager false --data.engine.sleep_mode false) ;;
-      sepcore) extra=(--data.engine.enforce_eager false --data.engine.separate_process true --data.engine.sleep_mode false \
-        --data.engine.gpu_memory_utilization 0.4) ;;   # the engine core in its own process (own CUDA context), beside the trainer
-      fulldecode) extra=(--data.engine.enforce_eager false --data.engine.cudagraph_mode full_decode_only) ;;
-      piecewise) extra=(--data.engine.enforce_eager false --data.engine.cudagraph_mode piecewise) ;;
+      graphs) ;;
+      bf16state) extra+=(--data.engine.vllm_args '{mamba_ssm_cache_dtype: bfloat16}') ;;
+      noprefix) extra+=(--data.engine.prefix_caching false) ;;
+      nosleep) extra+=(--data.engine.sleep_mode false) ;;
+      sepcore) extra+=(--data.engine.separate_process true --data.engine.sleep_mode false --data.engine.gpu_memory_utilization 0.4) ;;
+      fulldecode) extra+=(--data.engine.cudagraph_mode full_decode_only) ;;
+      piecewise) extra+=(--data.engine.cudagraph_mode piecewise) ;;
       eager) extra=(--data.engine.enforce_eager true) ;;
       *) log "q35drift: unknown variant $v"; continue ;;
     esac

@@ -71,8 +71,12 @@ class Checkpointing(L.Callback):
             self.save(trainer, pl_module)
             pl_module.log("checkpoint/seconds", time.perf_counter() - started, on_step=True, batch_size=1)
 
+    def unsaved(self, trainer: L.Trainer) -> bool:
+        """An update has ended since the last save."""
+        return trainer.global_step > 0 and trainer.global_step != self.last_saved_step
+
     def on_train_end(self, trainer: L.Trainer, pl_module) -> None:
-        if trainer.global_step != self.last_saved_step and trainer.global_step > 0:
+        if self.unsaved(trainer):
             self.save(trainer, pl_module)
 
     def on_exception(self, trainer: L.Trainer, pl_module, exception: BaseException) -> None:
@@ -80,7 +84,7 @@ class Checkpointing(L.Callback):
         ended): the last one is saved. Other exceptions may come mid-update, where the state is not one to resume from."""
         from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-        if isinstance(exception, SIGTERMException) and trainer.global_step > 0 and trainer.global_step != self.last_saved_step:
+        if isinstance(exception, SIGTERMException) and self.unsaved(trainer):
             final = self.save(trainer, pl_module)
             if trainer.is_global_zero:
                 print(f"stopped by SIGTERM after update {trainer.global_step}: saved {final}; go on with --ckpt_path "
