@@ -194,6 +194,11 @@ def task_type_wins(summary: dict) -> dict[str, tuple[int, int]]:
     return dict(sorted(out.items()))
 
 
+def percent(x: float | None) -> str:
+    """A rate as the reports write it: 0.4270 -> "42.70%" (None -> "-")."""
+    return "-" if x is None else f"{100 * x:.2f}%"
+
+
 def format_summary(summary: dict) -> str:
     lines = [f"{'split':<14}{'games':>6}{'wins':>6}{'success':>9}{'reward':>8}{'steps':>7}{'invalid':>9}{'valid fmt':>10}{'admiss.':>9}"]
     rows = list(summary["splits"].items()) + [("overall", summary["overall"])]

@@ -1,14 +1,15 @@
 """``alfrl report``: runs side by side, from what ``alfrl eval`` wrote and nothing else.
 
 Writes ``report.md`` (seen / unseen / overall success, wins, mean reward, invalid actions, and
-per-task-type success with the change from the first run) and three PNG charts: success by split,
-success by task type, invalid actions per episode.
+per-task-type success with the change from the first run; how the games ended: stop reasons, what the
+lost games spent, and loops, the turns that repeat an action in the same state) and three PNG charts:
+success by split, success by task type, invalid actions per episode.
 
 With ``--train-log RUN_DIR`` (a training run's ``default_root_dir``, or its ``metrics.csv`` files) it
 also writes the training curves from the run's CSV logs: ``training.csv`` (one row per update: rollout
 reward, success and invalid actions; later logs win for a step logged twice, as after a resume) and
 ``training_curves.png``; where the run evaluated itself (``periodic_eval``), ``eval_curves.csv`` and ``eval_curves.png``
-(success per task type against updates) and their table in the report.
+(success per task type against updates) and their table in the report (``alfrl.curves``).
 """
 
 from __future__ import annotations
@@ -19,14 +20,9 @@ import json
 import sys
 from pathlib import Path
 
-from alfrl.evaluation import EvalError, read_results, read_summary, summarize, task_type_wins
-from alfrl.games import TASK_TYPES
-
-SPLIT_COLUMNS = ("valid_seen", "valid_unseen")
-
-
-def _pct(x: float | None) -> str:
-    return "-" if x is None else f"{100 * x:.2f}%"
+from alfrl.curves import eval_markdown, eval_outputs, eval_rows, log_records, start_row, training_markdown, training_outputs, training_rows
+from alfrl.evaluation import EvalError, percent, read_results, read_summary, summarize, task_type_wins
+from alfrl.games import EVAL_SPLITS, TASK_TYPES
 
 
 def _delta(x: float | None, base: float | None) -> str:
@@ -91,7 +87,7 @@ def unpaired_markdown(runs: list[tuple[str, dict, list[dict] | None]]) -> str:
         for name, summary, games in runs:
             if games is None:
                 continue
-            for split in ("all", *SPLIT_COLUMNS):
+            for split in ("all", *EVAL_SPLITS):
                 a = s_summary["overall"] if split == "all" else s_summary["splits"].get(split)
                 b = summary["overall"] if split == "all" else summary["splits"].get(split)
                 if not a or not b:
@@ -101,7 +97,7 @@ def unpaired_markdown(runs: list[tuple[str, dict, list[dict] | None]]) -> str:
                     continue
                 c = unpaired_comparison(a["wins"], a["games"], b["wins"], b["games"])
                 better = "yes" if c["ci_low"] > 0 else ("worse" if c["ci_high"] < 0 else "not shown")
-                lines.append(f"| {name} | {split} | {b['games']} | {_pct(c['a_success'])} -> {_pct(c['b_success'])} | "
+                lines.append(f"| {name} | {split} | {b['games']} | {percent(c['a_success'])} -> {percent(c['b_success'])} | "
                              f"{100 * c['difference']:+.2f} pts | [{100 * c['ci_low']:+.2f}, {100 * c['ci_high']:+.2f}] pts | {better} |")
         lines += ["", f"{s_name}'s games are taken to be the same set (same split and count); without its records the two "
                   "runs are treated as independent samples, so this interval is wider than a paired one."]
@@ -121,7 +117,7 @@ def paired_markdown(runs: list[tuple[str, dict, list[dict]]]) -> str:
              "| run | split | games | success A -> B | difference | B only / A only | McNemar p | bootstrap 95% interval | B better? |",
              "|---|---|---|---|---|---|---|---|---|"]
     for name, _, games in runs[1:]:
-        for split in ("all", *SPLIT_COLUMNS):
+        for split in ("all", *EVAL_SPLITS):
             pick = (lambda r: True) if split == "all" else (lambda r, s=split: r["split"] == s)  # noqa: E731
             a = {r["game_id"]: bool(r["won"]) for r in base_games if pick(r)}
             b = {r["game_id"]: bool(r["won"]) for r in games if pick(r)}
@@ -129,7 +125,7 @@ def paired_markdown(runs: list[tuple[str, dict, list[dict]]]) -> str:
                 continue
             c = paired_comparison(a, b)
             better = "yes" if c["ci_low"] > 0 and c["p_value"] < 0.05 else ("worse" if c["ci_high"] < 0 and c["p_value"] < 0.05 else "not shown")
-            lines.append(f"| {name} | {split} | {c['games']} | {_pct(c['a_success'])} -> {_pct(c['b_success'])} | "
+            lines.append(f"| {name} | {split} | {c['games']} | {percent(c['a_success'])} -> {percent(c['b_success'])} | "
                          f"{100 * c['difference']:+.2f} pts | {c['b_only']} / {c['a_only']} | {c['p_value']:.4f} | "
                          f"[{100 * c['ci_low']:+.2f}, {100 * c['ci_high']:+.2f}] pts | {better} |")
     lines += ["", "B better: the 95% interval excludes 0 and McNemar's p < 0.05 (discordant games only; 10,000 bootstrap resamples of games).",
@@ -143,6 +139,58 @@ def paired_markdown(runs: list[tuple[str, dict, list[dict]]]) -> str:
         lines.append(f"| {name} | {same['games']} | {same['identical']} | {median} | {same['outcome_changed']} |")
     lines += ["", "Two evaluations of one adapter on a deterministic engine play every game identically; on a non-deterministic "
               "engine some games diverge (bf16 near-ties flip with what shares an engine step)."]
+    return "\n".join(lines) + "\n"
+
+
+def repeated_turns(game: dict) -> tuple[int, int] | None:
+    """(turns that repeat an earlier turn's action in the same state, turns with an action) of one game record; None
+    when its turns carry no ``state_key`` (records written before it existed). The same state is the same observation
+    and the same available actions: the environment answers a repeated turn as it did the first time, so it is a loop."""
+    turns = [t for t in game.get("turns", []) if t.get("action")]
+    if any("state_key" not in t for t in turns):
+        return None
+    seen: set[tuple[str, str]] = set()
+    repeats = 0
+    for t in turns:
+        key = (t["state_key"], t["action"])
+        repeats += key in seen
+        seen.add(key)
+    return repeats, len(turns)
+
+
+def _repeat_share(games: list[dict]) -> str:
+    counts = [repeated_turns(g) for g in games]
+    if not counts or any(c is None for c in counts):
+        return "-"
+    total = sum(n for _, n in counts)
+    return percent(sum(r for r, _ in counts) / total) if total else "-"
+
+
+def endings_markdown(runs: list[tuple[str, dict, list[dict] | None]]) -> str:
+    """How each run's games ended (the rollout's stop reasons), what the lost games spent, and the share of turns that
+    repeat an earlier action in the same state (loops), overall and per task type ("" without records)."""
+    from alfrl.types import STOP_REASONS
+
+    runs = [(name, games) for name, _, games in runs if games is not None]
+    if not runs:
+        return ""
+    lines = ["", "## How the games ended", "",
+             "| run | games | " + " | ".join(STOP_REASONS) + " | lost: mean steps | lost: invalid actions / game | repeated turns |",
+             "|---|---|" + "---|" * len(STOP_REASONS) + "---|---|---|"]
+    for name, games in runs:
+        lost = [g for g in games if not g["won"]]
+        ends = [sum(g.get("stop_reason") == reason for g in games) for reason in STOP_REASONS]
+        mean = (lambda key: f"{sum(g[key] for g in lost) / len(lost):.2f}") if lost else (lambda key: "-")  # noqa: E731
+        lines.append(f"| {name} | {len(games)} | " + " | ".join(map(str, ends)) +
+                     f" | {mean('steps')} | {mean('invalid_actions')} | {_repeat_share(games)} |")
+    lines += ["", "Stop reasons: max_steps, the episode's step limit; trajectory_too_long, the token budget (the next prompt "
+              "would not have fit); env_done, the environment ended the game; env_error, its worker failed. Repeated turns: "
+              "turns whose action was already taken earlier in the same game in the same state (the same observation and "
+              "available actions), which the environment answers as before: loops.", "",
+              "### Repeated turns per task type", "", "| task type | " + " | ".join(name for name, _ in runs) + " |",
+              "|---|" + "---|" * len(runs)]
+    for task in TASK_TYPES:
+        lines.append(f"| {task} | " + " | ".join(_repeat_share([g for g in games if g.get("task_type") == task]) for _, games in runs) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -201,14 +249,14 @@ def markdown(runs: list[tuple[str, dict]], cut: str | None = None) -> str:
     lines.append("|---|---|---|---|---|---|---|---|---|---|")
     for name, s in runs:
         cells = []
-        for split in SPLIT_COLUMNS:
+        for split in EVAL_SPLITS:
             block = s["splits"].get(split)
             b0 = base["splits"].get(split)
-            cells.append(_pct(block and block["success_rate"]) + (_delta(block["success_rate"], b0 and b0["success_rate"]) if block and s is not base else ""))
+            cells.append(percent(block and block["success_rate"]) + (_delta(block["success_rate"], b0 and b0["success_rate"]) if block and s is not base else ""))
         o, o0 = s["overall"], base["overall"]
-        cells.append(_pct(o["success_rate"]) + (_delta(o["success_rate"], o0["success_rate"]) if s is not base else ""))
-        cells += [f"{o['wins']}/{o['games']}", f"{o['mean_reward']:.3f}", f"{o['mean_invalid_actions']:.2f}", _pct(o["valid_format_rate"]),
-                  _pct(o["admissible_rate"]), DETERMINISTIC_CELL[s.get("deterministic")]]
+        cells.append(percent(o["success_rate"]) + (_delta(o["success_rate"], o0["success_rate"]) if s is not base else ""))
+        cells += [f"{o['wins']}/{o['games']}", f"{o['mean_reward']:.3f}", f"{o['mean_invalid_actions']:.2f}", percent(o["valid_format_rate"]),
+                  percent(o["admissible_rate"]), DETERMINISTIC_CELL[s.get("deterministic")]]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     lines += ["", f"Changes in parentheses are percentage points against {runs[0][0]}. Deterministic: the engine was batch-invariant "
               "(a second run of the same adapter plays the same games to the bit); no: two runs of one adapter differed by up to 3 "
@@ -221,15 +269,15 @@ def markdown(runs: list[tuple[str, dict]], cut: str | None = None) -> str:
     lines.append("|---|" + "---|" * len(runs))
     for task in TASK_TYPES:
         b = _task_rate(base, task, None)
-        row = [_pct(_task_rate(s, task, None)) + (_delta(_task_rate(s, task, None), b) if s is not base else "") for _, s in runs]
+        row = [percent(_task_rate(s, task, None)) + (_delta(_task_rate(s, task, None), b) if s is not base else "") for _, s in runs]
         lines.append(f"| {task} | " + " | ".join(row) + " |")
-    for split in SPLIT_COLUMNS:
+    for split in EVAL_SPLITS:
         if not any(split in s["task_types"] for _, s in runs):
             continue
         lines += ["", f"### {split}", "", "| task type | " + " | ".join(name for name, _ in runs) + " |", "|---|" + "---|" * len(runs)]
         for task in TASK_TYPES:
             b = _task_rate(base, task, split)
-            row = [_pct(_task_rate(s, task, split)) + (_delta(_task_rate(s, task, split), b) if s is not base else "") for _, s in runs]
+            row = [percent(_task_rate(s, task, split)) + (_delta(_task_rate(s, task, split), b) if s is not base else "") for _, s in runs]
             lines.append(f"| {task} | " + " | ".join(row) + " |")
     return "\n".join(lines) + "\n"
 
@@ -278,248 +326,6 @@ def charts(runs: list[tuple[str, dict]], out: Path) -> list[Path]:
           [[_task_rate(s, t, None) or 0.0 for t in TASK_TYPES] for _, s in runs], "success rate (%)", True)
     chart("invalid_actions.png", "Invalid actions", (7, 4), splits, split_values("mean_invalid_actions"), "invalid actions per episode", False)
     return files
-
-
-TRAIN_COLUMNS = {
-    "reward": "rollout/reward_mean",
-    "success": "rollout/success_rate",
-    "invalid_actions": "rollout/invalid_actions_mean",
-    "trajectories": "rollout/trajectories",
-    "dropped_groups": "rollout/dropped_groups",
-    "seconds_rollout": "rollout/seconds",
-    "seconds_update": "train/update_seconds",
-    "seconds_sync": "sync/total_seconds",
-    "seconds_wall": "step/seconds",
-}
-STEP_PARTS = ("seconds_rollout", "seconds_update", "seconds_sync")
-"""A training step's three timed parts in the log: the rollout, the update and the weight sync; their sum is the row's ``seconds_step``. The step's wall clock,
-``seconds_wall`` (``step/seconds``, logged since 2026-12-04), also holds what lies between them (the engine's probe after
-the rollout, the samples, the memory guard, the logging): the row's ``seconds_other``, wall minus the parts."""
-
-
-def _log_order(f: Path) -> tuple[int, float, str]:
-    """CSVLogger's version_N folders in N order (a resume writes the next version)."""
-    import re
-
-    m = re.fullmatch(r"version_(\d+)", f.parent.name)
-    return (int(m.group(1)) if m else -1, f.stat().st_mtime, str(f))
-
-
-def _metric_files(sources: list[str]) -> list[Path]:
-    """CSVLogger files under each source (``RUN_DIR/**/metrics.csv`` or the files themselves), oldest version first."""
-    files: list[Path] = []
-    for src in sources:
-        p = Path(src)
-        if p.is_dir():
-            files += sorted(p.rglob("metrics.csv"), key=_log_order)
-        elif p.is_file():
-            files.append(p)
-        else:
-            raise SystemExit(f"alfrl report: --train-log {src} is neither a run folder nor a metrics.csv file")
-    if not files:
-        raise SystemExit(f"alfrl report: no metrics.csv under {', '.join(sources)}: give the run's trainer.default_root_dir "
-                         "(its CSVLogger writes <dir>/csv/version_N/metrics.csv)")
-    return files
-
-
-def log_records(sources: list[str]) -> list[dict]:
-    """Every row of the CSVLogger files under ``sources`` (``RUN_DIR/**/metrics.csv`` or the files themselves), oldest
-    version first, so that a resumed run's rows come after (and replace) the ones it redid. A file may hold several
-    processes' logs one after the other (``cat version_*/metrics.csv``): each header row starts its own columns."""
-    import csv
-
-    records: list[dict] = []
-    for f in _metric_files(sources):
-        with open(f, newline="") as fh:
-            header: list[str] | None = None
-            for cells in csv.reader(fh):
-                if header is None or _is_header(cells):
-                    header = cells
-                elif cells:
-                    records.append(dict(zip(header, cells)))
-    return records
-
-
-def _is_header(cells: list[str]) -> bool:
-    """A CSVLogger header row: it names the ``step`` column and holds no number."""
-    if "step" not in cells:
-        return False
-    for cell in cells:
-        try:
-            float(cell)
-            return False
-        except ValueError:
-            pass
-    return True
-
-
-def training_rows(records: list[dict], columns: dict[str, str] = TRAIN_COLUMNS) -> list[dict]:
-    """One row per update step from a run's log records (``log_records``): each of ``columns`` (name -> logged metric;
-    None where not logged) and ``seconds_step``. ``columns`` must hold ``STEP_PARTS``."""
-    by_step: dict[int, dict] = {}
-    for rec in records:
-        if not rec.get("step") or not rec.get(TRAIN_COLUMNS["reward"]):
-            continue
-        row = {"step": int(float(rec["step"]))}
-        for name, col in columns.items():
-            value = rec.get(col)
-            row[name] = float(value) if value not in (None, "") else None
-        parts = [row[k] for k in STEP_PARTS]
-        row["seconds_step"] = None if None in parts else sum(parts)
-        wall = row.get("seconds_wall")
-        row["seconds_other"] = None if wall is None or row["seconds_step"] is None else wall - row["seconds_step"]
-        by_step[row["step"]] = row
-    return [by_step[k] for k in sorted(by_step)]
-
-
-EVAL_PREFIX = "eval/"
-"""The periodic evaluation's metrics (``callbacks/periodic_eval.py``): ``eval/success_rate``, ``eval/<split>/success_rate``
-and ``eval/task/<task type>/success_rate``, logged every ``periodic_eval.every_n_steps`` updates on the same games."""
-
-
-def eval_rows(records: list[dict]) -> list[dict]:
-    """One row per periodic evaluation in a run's log records (``log_records``): ``update`` (the updates done before it)
-    and every success rate it logged, by name without the prefix (``success_rate``, ``valid_seen``, ``task/<type>``); a
-    resumed run's row wins for an update evaluated twice."""
-    by_update: dict[int, dict] = {}
-    for rec in records:
-        if not rec.get("step") or rec.get(f"{EVAL_PREFIX}success_rate") in (None, ""):
-            continue
-        row: dict = {"update": int(float(rec["step"])) + 1}
-        for col, value in rec.items():
-            if col and col.startswith(EVAL_PREFIX) and col.endswith("success_rate") and value not in (None, ""):
-                name = col[len(EVAL_PREFIX):].removesuffix("/success_rate") or "success_rate"
-                row[name] = float(value)
-        by_update[row["update"]] = row
-    return [by_update[k] for k in sorted(by_update)]
-
-
-def start_row(start: str, eval_files: list[str]) -> dict:
-    """The periodic evaluation's row for update 0: the success of the starting adapter's `alfrl eval` records (``start``)
-    on the games the periodic evaluations played (those of ``eval_files``: a run's ``evals/update-N.jsonl``), overall, per
-    split and per task type. Its engine may differ from theirs (the training engine is not batch-invariant)."""
-    games: set[str] = set()
-    for f in eval_files:
-        _header, played, _summary = read_results(f)
-        games |= {g["game_id"] for g in played}
-    _header, records, _summary = read_results(start)
-    chosen = [g for g in records if g["game_id"] in games]
-    missing = len(games) - len({g["game_id"] for g in chosen})
-    if missing:
-        raise EvalError(f"{start} lacks {missing} of the {len(games)} games of the periodic evaluation ({eval_files[0]}): "
-                        "give the records of an evaluation of the starting adapter on every split (alfrl eval)")
-    summary = summarize(chosen)
-    row: dict = {"update": 0, "success_rate": summary["overall"]["success_rate"]}
-    row.update({split: block["success_rate"] for split, block in summary["splits"].items() if split in SPLIT_COLUMNS})
-    row.update({f"task/{task}": wins / n for task, (wins, n) in task_type_wins(summary).items() if n})
-    return row
-
-
-def _eval_columns(rows: list[dict]) -> list[str]:
-    names = {k for r in rows for k in r if k != "update"}
-    return ["success_rate", *[s for s in SPLIT_COLUMNS if s in names],
-            *[f"task/{t}" for t in TASK_TYPES if f"task/{t}" in names]]
-
-
-def eval_markdown(rows: list[dict]) -> str:
-    """The periodic evaluations as a table: success overall, per split and per task type (all splits) at each one."""
-    cols = _eval_columns(rows)
-    head = ["update", *["all games" if c == "success_rate" else c.removeprefix("task/") for c in cols]]
-    lines = [f"\n## Periodic evaluation ({len(rows)} evaluation{'s' * (len(rows) != 1)}, success, the same games each time)\n",
-             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in rows:
-        lines.append("| " + " | ".join(["0 (start)" if r["update"] == 0 else str(r["update"]), *[_pct(r.get(c)) for c in cols]]) + " |")
-    return "\n".join(lines) + "\n"
-
-
-def eval_outputs(rows: list[dict], out: Path) -> list[Path]:
-    """``eval_curves.csv`` (the table) and ``eval_curves.png``: success per task type and overall against updates."""
-    import csv
-
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    cols = _eval_columns(rows)
-    table = out / "eval_curves.csv"
-    with open(table, "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=["update", *cols], extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(rows)
-    fig, ax = plt.subplots(figsize=(9, 4.5))
-    updates = [r["update"] for r in rows]
-    for col in cols:
-        if col in SPLIT_COLUMNS:
-            continue
-        overall = col == "success_rate"
-        values = [None if r.get(col) is None else 100 * r[col] for r in rows]
-        ax.plot(updates, values, marker="o", markersize=4 if overall else 3, linewidth=2.5 if overall else 1.2,
-                color="black" if overall else None, label="all games" if overall else col.removeprefix("task/"))
-    ax.set_ylim(-2, 102)
-    ax.xaxis.get_major_locator().set_params(integer=True)
-    ax.set_xlabel("update")
-    ax.set_ylabel("success rate (%)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
-    ax.set_title("Periodic evaluation: success per task type")
-    fig.tight_layout()
-    png = out / "eval_curves.png"
-    fig.savefig(png, dpi=120)
-    plt.close(fig)
-    return [table, png]
-
-
-def training_markdown(rows: list[dict]) -> str:
-    """Where the training steps' time went: mean, min, max and total seconds of each part over the updates that logged it
-    (the total is the run's GPU time in that phase; the process's start, checkpoints and periodic evaluations are not in it)."""
-    lines = [f"\n## Training steps ({len(rows)} updates, seconds)\n", "| part | mean | min | max | total | updates |",
-             "|---|---|---|---|---|---|"]
-    for key, label in (("seconds_wall", "step, wall clock"), ("seconds_step", "step, its three parts"), ("seconds_rollout", "rollout"),
-                       ("seconds_update", "update after the rollout"), ("seconds_sync", "weight sync"),
-                       ("seconds_other", "between the parts (wall clock - parts)")):
-        values = [r[key] for r in rows if r.get(key) is not None]
-        if values:
-            total = sum(values)
-            lines.append(f"| {label} | {total / len(values):.2f} | {min(values):.2f} | {max(values):.2f} | {total:.2f} | {len(values)} |")
-    walls = [r["seconds_wall"] for r in rows if r.get("seconds_wall") is not None]
-    if walls:  # the figure to set beside other runs' GPU-hours (times the GPUs of the run)
-        lines.append(f"\nIn all: {sum(walls):.2f} s of steps = {sum(walls) / 3600:.3f} h of wall clock over {len(walls)} updates "
-                     "(each GPU of the run for that long; the processes' starts, checkpoints and periodic evaluations not in it).")
-    return "\n".join(lines) + "\n" if len(lines) > 3 else ""
-
-
-def training_outputs(rows: list[dict], out: Path) -> list[Path]:
-    import csv
-
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    table = out / "training.csv"
-    with open(table, "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=["step", *TRAIN_COLUMNS, "seconds_step", "seconds_other"])
-        writer.writeheader()
-        writer.writerows(rows)
-    steps = [r["step"] + 1 for r in rows]  # update number (1-based)
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
-    for ax, key, label in zip(axes, ("reward", "success", "invalid_actions"),
-                              ("mean reward", "success rate (%)", "invalid actions / trajectory")):
-        values = [None if r[key] is None else (100 * r[key] if key == "success" else r[key]) for r in rows]
-        ax.plot(steps, values, marker="o", markersize=3)
-        if key == "success":
-            ax.set_ylim(-2, 102)
-        ax.xaxis.get_major_locator().set_params(integer=True)
-        ax.set_xlabel("update")
-        ax.set_ylabel(label)
-        ax.grid(alpha=0.3)
-    fig.suptitle(f"Training rollouts ({len(rows)} updates)")
-    fig.tight_layout()
-    png = out / "training_curves.png"
-    fig.savefig(png, dpi=120)
-    plt.close(fig)
-    return [table, png]
 
 
 def parser() -> argparse.ArgumentParser:
@@ -579,7 +385,7 @@ def main(argv: list[str]) -> int:
         print(f"alfrl report: warning: {warning}", file=sys.stderr)
     if cut:
         print(f"alfrl report: {cut}", file=sys.stderr)
-    text = markdown(runs, cut) + paired_markdown(loaded) + unpaired_markdown(loaded) if runs else ""
+    text = markdown(runs, cut) + endings_markdown(loaded) + paired_markdown(loaded) + unpaired_markdown(loaded) if runs else ""
     records = log_records(args.train_log) if args.train_log else []
     train_rows = training_rows(records)
     text += training_markdown(train_rows) if train_rows else ""

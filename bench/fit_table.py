@@ -5,7 +5,7 @@
     python bench/fit_table.py base.metrics.csv --vllm-log base.log                      # its wall clock from vLLM's stamps
 
 step = ``rollout/seconds`` + ``train/update_seconds`` (what the step waited for after the rollout) + ``sync/total_seconds``
-(``alfrl report``'s ``seconds_step``, read by its ``training_rows``), as the leases (tag raw-results-2026-12-06, bench/leases/) counted it. wall = the
+(``alfrl report``'s ``seconds_step``, read by ``alfrl.curves.training_rows``), as the leases (tag raw-results-2026-12-06, bench/leases/) counted it. wall = the
 step's wall clock (``step/seconds``, logged since 2026-12-04: Lightning's start of the batch to the end of its sync) and
 other = wall - step, the time the three parts leave out (the engine's probe after the rollout, ``engine/probe_seconds``,
 is part of it: probe s). A column whose metric the fit did not log is left out (the table)
@@ -19,7 +19,7 @@ import statistics
 import sys
 from decimal import ROUND_DOWN, Decimal
 
-from alfrl.report import TRAIN_COLUMNS, log_records, training_rows
+from alfrl.curves import TRAIN_COLUMNS, log_records, training_rows
 
 COLUMNS = (  # (metric, header, decimals)
     ("rollout/seconds", "rollout s", 2), ("train/update_seconds", "update after it s", 2),
