@@ -415,7 +415,7 @@ progress() {  # the learning runs' newest update and periodic evaluations, read 
   for d in "$RUN"/learn*; do
     [ -d "$d/csv" ] || continue
     PYTHONPATH=${ALFRL_REPO:-$REPO}:${PYTHONPATH:-} "$PY" -c "import sys
-from alfrl.report import eval_rows, log_records
+from alfrl.curves import eval_rows, log_records
 recs = log_records([sys.argv[1]]); steps = [int(float(r['step'])) for r in recs if r.get('step') not in (None, '')]
 print(sys.argv[2] + ': update', max(steps) + 1 if steps else 0, ' '.join(
     f\"| eval at {r['update']}: {100 * r['success_rate']:.2f}%\" for r in eval_rows(recs)))" "$d" "$(basename "$d")" 2>/dev/null
