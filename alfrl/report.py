@@ -23,6 +23,7 @@ from pathlib import Path
 from alfrl.curves import eval_markdown, eval_outputs, eval_rows, log_records, start_row, training_markdown, training_outputs, training_rows
 from alfrl.evaluation import EvalError, percent, read_results, read_summary, summarize, task_type_wins
 from alfrl.games import EVAL_SPLITS, TASK_TYPES
+from alfrl.types import repeated_turns
 
 
 def _delta(x: float | None, base: float | None) -> str:
@@ -142,24 +143,17 @@ def paired_markdown(runs: list[tuple[str, dict, list[dict]]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def repeated_turns(game: dict) -> tuple[int, int] | None:
-    """(turns that repeat an earlier turn's action in the same state, turns with an action) of one game record; None
-    when its turns carry no ``state_key`` (records written before it existed). The same state is the same observation
-    and the same available actions: the environment answers a repeated turn as it did the first time, so it is a loop."""
+def game_repeats(game: dict) -> tuple[int, int] | None:
+    """``alfrl.types.repeated_turns`` of one game record; None when its turns carry no ``state_key`` (records written
+    before it existed)."""
     turns = [t for t in game.get("turns", []) if t.get("action")]
     if any("state_key" not in t for t in turns):
         return None
-    seen: set[tuple[str, str]] = set()
-    repeats = 0
-    for t in turns:
-        key = (t["state_key"], t["action"])
-        repeats += key in seen
-        seen.add(key)
-    return repeats, len(turns)
+    return repeated_turns((t["state_key"], t["action"]) for t in turns)
 
 
 def _repeat_share(games: list[dict]) -> str:
-    counts = [repeated_turns(g) for g in games]
+    counts = [game_repeats(g) for g in games]
     if not counts or any(c is None for c in counts):
         return "-"
     total = sum(n for _, n in counts)

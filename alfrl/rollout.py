@@ -34,7 +34,7 @@ from alfrl.engines import Completion, Engine, SamplingRequest
 from alfrl.envs import EnvFailure, EnvGroup, EnvOp, EnvPool, EnvState, GroupStartMismatch, PrefetchedResets, check_same_start
 from alfrl.games import Game
 from alfrl.rewards import RewardConfig, episode_reward, reward_noise, step_rewards
-from alfrl.types import STOP_REASONS, RolloutProgress, Trajectory, TrajectoryGroup, Turn
+from alfrl.types import STOP_REASONS, RolloutProgress, Trajectory, TrajectoryGroup, Turn, repeated_turns
 
 log = logging.getLogger(__name__)
 
@@ -541,6 +541,8 @@ def rollout_metrics(groups: list[TrajectoryGroup], prefix: str = "rollout/") -> 
         "reward_mean": sum(t.reward for t in trajs) / n,
         "success_rate": sum(t.won for t in trajs) / n,
         "invalid_actions_mean": sum(t.invalid_actions for t in trajs) / n,
+        # turns a trajectory that repeat an action from a state it already took it in (loops; alfrl.types.repeated_turns)
+        "repeated_turns_mean": sum(repeated_turns((u.state_key, u.action) for u in t.turns)[0] for t in trajs) / n,
         "steps_mean": sum(t.steps for t in trajs) / n,
         # sampled tokens per trajectory: the longest sets how long an asynchronous rollout takes
         "completion_tokens_mean": sum(tokens) / n,

@@ -8,6 +8,7 @@ token of a sequence.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -139,6 +140,21 @@ class Sample:
     @property
     def trained_tokens(self) -> int:
         return int(self.loss_mask_T.sum())
+
+
+def repeated_turns(turns: Iterable[tuple[str, str | None]]) -> tuple[int, int]:
+    """(turns that take an action already taken earlier in the same episode from the same state, turns with an action) of
+    one episode's (state_key, action) pairs in order. The same state is the same observation and available actions
+    (``Turn.state_key``): the environment answers such a turn as it did the first time, so it is a loop."""
+    seen: set[tuple[str, str]] = set()
+    repeats = turns_with_action = 0
+    for state, action in turns:
+        if not action:
+            continue
+        turns_with_action += 1
+        repeats += (state, action) in seen
+        seen.add((state, action))
+    return repeats, turns_with_action
 
 
 # ---------------------------------------------------------------- JSONL

@@ -7,6 +7,7 @@ from pathlib import Path
 import lightning as L
 
 from alfrl.evaluation import results_header, summarize, task_type_wins, write_results
+from alfrl.types import repeated_turns
 
 
 class PeriodicEval(L.Callback):
@@ -43,4 +44,6 @@ class PeriodicEval(L.Callback):
             metrics[f"eval/{split}/success_rate"] = float(block["success_rate"])
         for task, (wins, games) in task_type_wins(summary).items():  # all splits pooled: a collapsing task type shows early
             metrics[f"eval/task/{task}/success_rate"] = wins / games
+        repeats = [repeated_turns((t.get("state_key", ""), t.get("action")) for t in r["turns"])[0] for r in records]
+        metrics["eval/repeated_turns_mean"] = sum(repeats) / max(len(repeats), 1)  # loops a game, as rollout/repeated_turns_mean
         pl_module.log_dict(metrics, on_step=True, batch_size=1, rank_zero_only=False)

@@ -1,4 +1,4 @@
-"""The periodic evaluation callback logs success overall, per split and per task type (splits pooled)."""
+"""The periodic evaluation callback logs success overall, per split and per task type (splits pooled), and loops a game."""
 
 import itertools
 from types import SimpleNamespace
@@ -28,6 +28,9 @@ class _Module:
 def test_success_per_task_type_pools_the_splits_and_runs_only_every_n_steps_and_its_records_are_kept(tmp_path):
     records = [_record("valid_seen", "pick_two_obj_and_place", True), _record("valid_seen", "pick_two_obj_and_place", False),
                _record("valid_unseen", "pick_two_obj_and_place", False), _record("valid_unseen", "look_at_obj_in_light", True)]
+    # the second game takes an apple, puts it back and takes it again from where it first took it: one loop in 4 games
+    records[1]["turns"] = [dict(records[1]["turns"][0], state_key=state, action=action)
+                           for state, action in (("s0", "take apple 1"), ("s1", "put apple 1"), ("s0", "take apple 1"))]
     asked = []
     datamodule = SimpleNamespace(evaluate_in_memory=lambda limit: asked.append(limit) or (records, False))
     cb, module = PeriodicEval(every_n_steps=2, limit_per_split=6), _Module()
@@ -46,3 +49,4 @@ def test_success_per_task_type_pools_the_splits_and_runs_only_every_n_steps_and_
     assert module.logged["eval/task/look_at_obj_in_light/success_rate"] == 1.0
     assert module.logged["eval/valid_seen/success_rate"] == 0.5
     assert module.logged["eval/success_rate"] == 0.5
+    assert module.logged["eval/repeated_turns_mean"] == 0.25

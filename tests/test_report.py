@@ -168,7 +168,7 @@ def test_a_game_record_without_the_fields_of_a_summary_is_one_line_naming_it(tmp
 def test_report_says_how_games_ended_and_counts_loops_as_the_same_action_in_the_same_state():
     """Stop reasons per run, what the lost games spent, and repeated turns: an action taken again in the same state is a
     loop, the same action in another state is not; records without ``state_key`` (written before it) show '-'."""
-    from alfrl.report import endings_markdown, repeated_turns
+    from alfrl.report import endings_markdown, game_repeats
 
     def turn(state, action):
         return {"valid_format": True, "admissible": True, "state_key": state, "action": action}
@@ -176,8 +176,8 @@ def test_report_says_how_games_ended_and_counts_loops_as_the_same_action_in_the_
     # take, put, take again from the same state (a loop), put from another state (not one), take from the first state again
     looping = [turn("s0", "take apple 1"), turn("s1", "put apple 1 in fridge 1"), turn("s0", "take apple 1"),
                turn("s2", "put apple 1 in fridge 1"), turn("s0", "take apple 1"), {"valid_format": False, "admissible": False, "action": None}]
-    assert repeated_turns({"turns": looping}) == (2, 5)
-    assert repeated_turns({"turns": [{"valid_format": True, "admissible": True, "action": "look"}]}) is None
+    assert game_repeats({"turns": looping}) == (2, 5)
+    assert game_repeats({"turns": [{"valid_format": True, "admissible": True, "action": "look"}]}) is None
     keyed = [dict(g, turns=looping) if g["game_id"] == "valid_seen:b" else dict(g, turns=[turn(f"{g['game_id']}{i}", "look") for i in range(g["steps"])])
              for g in HAND_MADE]
     table = endings_markdown([("old", {}, HAND_MADE), ("new", {}, keyed), ("summary only", {}, None)])

@@ -7,7 +7,7 @@ from alfrl.chat import chat_format
 from alfrl.envs import EnvPool
 from alfrl.rewards import RewardConfig
 from alfrl.rollout import RolloutConfig, RolloutRunner, rollout_metrics
-from alfrl.types import read_jsonl, write_jsonl
+from alfrl.types import read_jsonl, repeated_turns, write_jsonl
 from tests.helpers import RAW, ScriptedEngine
 
 GAME = "valid_seen:look_at_obj_in_light-AlarmClock-None-DeskLamp-323/trial_T20190909_044715_250790"
@@ -143,6 +143,16 @@ def test_cut_completions_are_invalid_and_the_episode_goes_on(valid_games, tiny_t
     (seq,) = cut.sequences
     _, _, end = seq.spans[0]
     assert seq.token_ids[end] == fmt.end_of_turn_id
+
+
+def test_a_loop_is_an_action_taken_again_from_a_state_it_was_taken_in(played):
+    """C looks four times: the first look leaves the opening observation for the room's description, and every later
+    look is answered by that same description, so C's third and fourth looks stand where its second stood: 2 loops."""
+    (group,), _, _ = played
+    a, b, c = group.trajectories
+    assert [repeated_turns((u.state_key, u.action) for u in t.turns) for t in (a, b, c)] == [(0, 3), (0, 3), (2, 4)]  # B's first turn: no action
+    assert c.turns[1].state_key == c.turns[2].state_key == c.turns[3].state_key != c.turns[0].state_key
+    assert rollout_metrics([group])["rollout/repeated_turns_mean"] == pytest.approx(2 / 3)
 
 
 def test_trajectory_budget_ends_the_episode(valid_games, tiny_tokenizer):

@@ -56,7 +56,7 @@ def test_make_train_runs_the_tiny_recipe(tmp_path, data_dir, tiny_model_dir):
     assert len(rows) == 2
     for key in ("train/loss", "train/clip_fraction", "train/approx_kl", "train/ratio_mean", "train/grad_norm", "train/trained_tokens",
                 "train/sampler_minus_trainer_logprob", "rollout/reward_mean", "rollout/success_rate", "rollout/invalid_actions_mean",
-                "rollout/steps_mean", "rollout/degenerate_groups", "tokens/generated", "rollout/seconds", "sync/probe_abs_logprob_diff",
+                "rollout/repeated_turns_mean", "rollout/steps_mean", "rollout/degenerate_groups", "tokens/generated", "rollout/seconds", "sync/probe_abs_logprob_diff",
                 "train/prepare_seconds", "sync/total_seconds", "checkpoint/seconds"):  # the step's seconds by phase
         assert key in rows[0], key
     assert float(rows[0]["train/trained_tokens"]) > 0
