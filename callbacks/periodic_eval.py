@@ -7,7 +7,7 @@ from pathlib import Path
 import lightning as L
 
 from alfrl.evaluation import results_header, summarize, task_type_wins, write_results
-from alfrl.types import repeated_turns
+from alfrl.types import STOP_REASONS, repeated_turns
 
 
 class PeriodicEval(L.Callback):
@@ -46,4 +46,6 @@ class PeriodicEval(L.Callback):
             metrics[f"eval/task/{task}/success_rate"] = wins / games
         repeats = [repeated_turns((t.get("state_key", ""), t.get("action")) for t in r["turns"])[0] for r in records]
         metrics["eval/repeated_turns_mean"] = sum(repeats) / max(len(repeats), 1)  # loops a game, as rollout/repeated_turns_mean
+        for reason in STOP_REASONS:  # how the games ended, as rollout/stop/*: won, out of steps, out of tokens, ...
+            metrics[f"eval/stop/{reason}"] = sum(r.get("stop_reason") == reason for r in records) / max(len(records), 1)
         pl_module.log_dict(metrics, on_step=True, batch_size=1, rank_zero_only=False)

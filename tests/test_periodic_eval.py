@@ -13,7 +13,7 @@ _IDS = itertools.count()
 
 def _record(split, task, won):
     return {"type": "game", "game_id": f"{split}/{task}/{next(_IDS)}", "split": split, "task_type": task, "won": won, "reward": float(won), "steps": 3,
-            "invalid_actions": 0, "turns": [{"valid_format": True, "admissible": True}]}
+            "invalid_actions": 0, "stop_reason": "won" if won else "max_steps", "turns": [{"valid_format": True, "admissible": True}]}
 
 
 class _Module:
@@ -50,3 +50,4 @@ def test_success_per_task_type_pools_the_splits_and_runs_only_every_n_steps_and_
     assert module.logged["eval/valid_seen/success_rate"] == 0.5
     assert module.logged["eval/success_rate"] == 0.5
     assert module.logged["eval/repeated_turns_mean"] == 0.25
+    assert module.logged["eval/stop/won"] == 0.5 and module.logged["eval/stop/max_steps"] == 0.5  # as _record wrote them
