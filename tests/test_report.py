@@ -187,3 +187,19 @@ def test_report_says_how_games_ended_and_counts_loops_as_the_same_action_in_the_
     assert "| pick_and_place_simple | - | 28.57% |" in table and "| look_at_obj_in_light | - | 0.00% |" in table
     assert "summary only" not in table
     assert endings_markdown([("summary only", {}, None)]) == ""
+
+
+def test_the_learning_runs_committed_records_read_as_its_readme_says():
+    """results/rl_qwen15b_grpo/README.md, "How the games are lost", recomputed from the records in git: the third warm
+    start's 274 games and GiGPO's update 20 on the periodic evaluation's 60 (a changed count or loop rule shows here)."""
+    from pathlib import Path
+
+    from alfrl.report import common_games, endings_markdown, load_runs
+
+    results = Path(__file__).resolve().parents[1] / "results" / "rl_qwen15b_grpo"
+    runs = load_runs([str(results / "warmstart3_det_a.jsonl.gz"), str(results / "gigpo_ws3_update20_eval60.jsonl.gz")], ["ws", "u20"])
+    assert "| ws | 274 | 117 | 0 | 38 | 119 | 0 | 40.87 | 10.76 | 51.40% |" in endings_markdown(runs[:1])
+    cut, _ = common_games(runs)
+    table = endings_markdown(cut)
+    assert "| ws | 60 | 27 | 0 | 11 | 22 | 0 |" in table and "51.14% |" in table
+    assert "| u20 | 60 | 42 | 0 | 3 | 15 | 0 | 40.61 | 3.72 | 6.55% |" in table
