@@ -144,11 +144,11 @@ def paired_markdown(runs: list[tuple[str, dict, list[dict]]]) -> str:
 
 
 def game_repeats(game: dict) -> tuple[int, int] | None:
-    """``alfrl.types.repeated_turns`` of one game record; None when its turns carry no ``state_key`` (records written
-    before it existed)."""
+    """``alfrl.types.repeated_turns`` of one game record; None when a turn's ``state_key`` or action is missing or not a
+    string (records written before it existed)."""
     turns = [t for t in game.get("turns", []) if t.get("action")]
-    if any("state_key" not in t for t in turns):
-        return None
+    if any(not isinstance(t.get("state_key"), str) or not isinstance(t["action"], str) for t in turns):
+        return None  # written before turns had a state_key, or not by alfrl: no loop count rather than a wrong one
     return repeated_turns((t["state_key"], t["action"]) for t in turns)
 
 

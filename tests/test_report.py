@@ -178,6 +178,7 @@ def test_report_says_how_games_ended_and_counts_loops_as_the_same_action_in_the_
                turn("s2", "put apple 1 in fridge 1"), turn("s0", "take apple 1"), {"valid_format": False, "admissible": False, "action": None}]
     assert game_repeats({"turns": looping}) == (2, 5)
     assert game_repeats({"turns": [{"valid_format": True, "admissible": True, "action": "look"}]}) is None
+    assert game_repeats({"turns": [turn(["not", "a", "key"], "look")]}) is None and game_repeats({"turns": [turn("s0", {"a": 1})]}) is None
     keyed = [dict(g, turns=looping) if g["game_id"] == "valid_seen:b" else dict(g, turns=[turn(f"{g['game_id']}{i}", "look") for i in range(g["steps"])])
              for g in HAND_MADE]
     table = endings_markdown([("old", {}, HAND_MADE), ("new", {}, keyed), ("summary only", {}, None)])
