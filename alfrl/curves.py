@@ -1,6 +1,6 @@
 """A training run's curves from its CSV logs, for ``alfrl report --train-log RUN_DIR``.
 
-``training_rows``: one row per update (rollout reward, success and invalid actions, each part's seconds; later logs win
+``training_rows``: one row per update (rollout reward, success, invalid actions and loops, each part's seconds; later logs win
 for a step logged twice, as after a resume), written as ``training.csv`` and ``training_curves.png`` with a table of
 where the steps' time went. ``eval_rows``: the run's periodic evaluations (``callbacks/periodic_eval.py``), success
 overall, per split and per task type against updates, written as ``eval_curves.csv`` and ``eval_curves.png``;
@@ -18,6 +18,7 @@ TRAIN_COLUMNS = {
     "reward": "rollout/reward_mean",
     "success": "rollout/success_rate",
     "invalid_actions": "rollout/invalid_actions_mean",
+    "repeated_turns": "rollout/repeated_turns_mean",
     "trajectories": "rollout/trajectories",
     "dropped_groups": "rollout/dropped_groups",
     "seconds_rollout": "rollout/seconds",
@@ -237,9 +238,11 @@ def training_outputs(rows: list[dict], out: Path) -> list[Path]:
         writer.writeheader()
         writer.writerows(rows)
     steps = [r["step"] + 1 for r in rows]  # update number (1-based)
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
-    for ax, key, label in zip(axes, ("reward", "success", "invalid_actions"),
-                              ("mean reward", "success rate (%)", "invalid actions / trajectory")):
+    panels = [("reward", "mean reward"), ("success", "success rate (%)"), ("invalid_actions", "invalid actions / trajectory")]
+    if any(r["repeated_turns"] is not None for r in rows):  # logged since 2026-12-08
+        panels.append(("repeated_turns", "loops (repeated turns) / trajectory"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.3 * len(panels), 3.6))
+    for ax, (key, label) in zip(axes, panels):
         values = [None if r[key] is None else (100 * r[key] if key == "success" else r[key]) for r in rows]
         ax.plot(steps, values, marker="o", markersize=3)
         if key == "success":

@@ -56,14 +56,17 @@ def test_training_curves_merge_a_resumed_run(tmp_path):
 def test_one_file_holding_two_processes_logs_with_their_own_columns(tmp_path):
     """A resumed run's CSVs joined into one file (a lease ships them so): the second header's column order holds for
     the rows after it."""
-    from alfrl.curves import eval_rows, log_records, training_rows
+    from alfrl.curves import eval_rows, log_records, training_outputs, training_rows
 
     first = "step,rollout/reward_mean,rollout/success_rate,eval/success_rate\n0,0.1,0.25,\n1,0.2,0.5,0.3\n"
-    second = "eval/success_rate,rollout/success_rate,step,rollout/reward_mean\n,0.75,2,0.4\n0.6,0.5,3,0.3\n"
+    second = ("eval/success_rate,rollout/success_rate,step,rollout/reward_mean,rollout/repeated_turns_mean\n"
+              ",0.75,2,0.4,1.5\n0.6,0.5,3,0.3,0.25\n")  # a later process logs the loops too
     path = tmp_path / "joined.metrics.csv"
     path.write_text(first + second)
     rows = training_rows(log_records([str(path)]))
     assert [(r["step"], r["reward"], r["success"]) for r in rows] == [(0, 0.1, 0.25), (1, 0.2, 0.5), (2, 0.4, 0.75), (3, 0.3, 0.5)]
+    assert [r["repeated_turns"] for r in rows] == [None, None, 1.5, 0.25]
+    assert [p.name for p in training_outputs(rows, tmp_path)] == ["training.csv", "training_curves.png"]  # a loops panel, gaps before
     assert [(r["update"], r["success_rate"]) for r in eval_rows(log_records([str(path)]))] == [(2, 0.3), (4, 0.6)]
 
 
