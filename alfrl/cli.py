@@ -10,7 +10,7 @@
     alfrl rollout --config RECIPE --games N --out FILE.jsonl [--data.rollout.temperature 0.7]
     alfrl expert --config RECIPE --out FILE.jsonl [--limit N] [--data.env.num_workers 8]   # expert plans through the protocol
     alfrl sft --config SFT_RECIPE [--trainer.max_steps 40] [--data.expert_file FILE]    # supervised warm start
-    alfrl eval --config RECIPE [--adapter CKPT] [--split all] [--limit-per-split N] --out FILE.jsonl [--overwrite]
+    alfrl eval --config RECIPE [--adapter CKPT [CKPT ...]] [--split all] [--limit-per-split N] --out FILE.jsonl [FILE.jsonl ...] [--overwrite]
     alfrl report A.jsonl B.jsonl [--names a b] --out DIR
 
 ``fit`` is LightningCLI; ``rollout`` and ``eval`` read the same recipes (and overrides) through it.

@@ -1,4 +1,9 @@
-"""``alfrl eval``: evaluate a base model or a trained adapter with the reference protocol."""
+"""``alfrl eval``: evaluate a base model or trained adapters with the reference protocol.
+
+Several adapters (``--adapter A B --out a.jsonl b.jsonl``) are evaluated one after the other by one engine: the model
+loads, the engine starts (and compiles) once, and each adapter reaches it as a fit's weight sync does; each file is what
+a separate ``alfrl eval`` of that adapter writes.
+"""
 
 from __future__ import annotations
 
@@ -75,12 +80,34 @@ def _merge(parts: list[Path], games: list, out: Path, config: dict) -> dict:
 def parser() -> argparse.ArgumentParser:
     """``alfrl eval``'s own flags (the rest are recipe keys)."""
     own = argparse.ArgumentParser(prog="alfrl eval", add_help=False)
-    own.add_argument("--adapter", default=None, help="checkpoint folder, its adapter/ folder or trainer.ckpt (default: the base model)")
+    own.add_argument("--adapter", nargs="+", default=None, metavar="ADAPTER",
+                     help="checkpoint folder, its adapter/ folder or trainer.ckpt (default: the base model); several: each "
+                          "evaluated in turn by one engine (one start), into the --out of the same place")
     own.add_argument("--split", type=_splits, default=None, help="valid_seen, valid_unseen or all (default: the recipe's data.eval.splits)")
     own.add_argument("--limit-per-split", type=_positive, default=None, help="evaluate N games of each split, spread over its task types (the same N every time)")
-    own.add_argument("--out", required=True, help="JSONL of every game (an unfinished file is resumed)")
+    own.add_argument("--out", nargs="+", required=True, metavar="OUT",
+                     help="JSONL of every game (an unfinished file is resumed); one per --adapter")
     own.add_argument("--overwrite", action="store_true", help="start the file afresh when its evaluation settings differ")
     return own
+
+
+def _problems(adapters: list[str], outs: list[str]) -> list[str]:
+    """What is wrong with the adapters and outputs asked for, one line each, before the recipe is read or a model loads."""
+    if len(outs) != max(len(adapters), 1):
+        return [f"{len(outs)} --out files for {len(adapters) or 'no'} --adapter{'s' * (len(adapters) != 1)}: give one .jsonl per adapter "
+                "(one without --adapter), in the same order"]
+    out = []
+    if len(set(map(str, map(Path, outs)))) != len(outs):
+        out.append("--out names one file twice: give each adapter its own file")
+    for o in outs:
+        if o.endswith(".gz"):  # the output is appended to and resumed as plain lines
+            out.append(f"--out {o}: alfrl eval writes plain JSONL (resumable): give a .jsonl name and gzip the file afterwards "
+                       "(alfrl report reads .jsonl.gz)")
+    for a in adapters:
+        if not Path(a).exists():
+            out.append(f"--adapter {a}: no such file or folder: give a checkpoint folder (runs/NAME/checkpoints/last), its adapter/ "
+                       "folder or its trainer.ckpt")
+    return out
 
 
 def main(argv: list[str]) -> int:
@@ -90,18 +117,15 @@ def main(argv: list[str]) -> int:
         print("\nand recipe options: alfrl eval --config RECIPE [--data.eval.temperature 0.01 ...]")
         return 0
     args, rest = own.parse_known_args(argv)
-
-    if args.out.endswith(".gz"):  # the output is appended to and resumed as plain lines
-        print(f"alfrl eval: --out {args.out}: alfrl eval writes plain JSONL (resumable): give a .jsonl name and gzip the "
-              "file afterwards (alfrl report reads .jsonl.gz)", file=sys.stderr)
-        return 2
-    if args.adapter and not Path(args.adapter).exists():  # before the recipe is read and any model loads
-        print(f"alfrl eval: --adapter {args.adapter}: no such file or folder: give a checkpoint folder (runs/NAME/checkpoints/last), "
-              "its adapter/ folder or its trainer.ckpt", file=sys.stderr)
+    adapters = args.adapter or []
+    problems = _problems(adapters, args.out)
+    if problems:
+        for line in problems:
+            print(f"alfrl eval: {line}", file=sys.stderr)
         return 2
     from alfrl.recipe import load_recipe
 
-    if args.adapter:  # the adapter evaluated replaces whatever warm start the recipe names (a fit's init_adapter)
+    if adapters:  # the adapter evaluated replaces whatever warm start the recipe names (a fit's init_adapter)
         rest = [*rest, "--model.init_adapter", "null"]
     cli = load_recipe(rest)
     dm, policy = cli.datamodule, cli.model
@@ -113,40 +137,55 @@ def main(argv: list[str]) -> int:
     dm.eval_cfg = cfg
     games = eval_games(dm.data_dir, cfg.splits, cfg.limit_per_split)
     rank, world = _distributed()
-    out = Path(args.out)
-    part = out if world == 1 else out.with_name(f"{out.stem}.rank{rank}-of-{world}{out.suffix}")
 
     import torch
 
     device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
-    adapter_file = None
-    if args.adapter:  # a missing, damaged or mismatched adapter: one line before the model loads
-        from alfrl.checkpoints import check_adapter
+    from alfrl.checkpoints import check_adapter
 
+    for adapter in adapters:  # a missing, damaged or mismatched adapter: one line before the model loads
         try:
-            check_adapter(args.adapter, policy.lora.rank, policy.lora.alpha)
+            check_adapter(adapter, policy.lora.rank, policy.lora.alpha)
         except (FileNotFoundError, ValueError) as e:
-            print(f"alfrl eval: --adapter {args.adapter}: {e}", file=sys.stderr)
+            print(f"alfrl eval: --adapter {adapter}: {e}", file=sys.stderr)
             return 2
-    if dm.engine_cfg.kind == "hf" or args.adapter:
+    if dm.engine_cfg.kind == "hf" or adapters:
         policy.configure_model()
         policy.to(device)
-    if args.adapter:
-        try:
-            adapter_file = policy.load_adapter(args.adapter)
-        except (FileNotFoundError, ValueError) as e:
-            print(f"alfrl eval: {e}", file=sys.stderr)
-            return 2
-    sampler = dm.connect(policy, deterministic=cfg.deterministic)
-    if args.adapter and not sampler.engine.shares_policy:
-        sampler.sync(policy)  # the adapter into the engine (unmerged by default), counted and probed
+    sampler = None
+    try:
+        for adapter, out in zip(adapters or [None], args.out):
+            adapter_file = None
+            if adapter:
+                try:
+                    adapter_file = policy.load_adapter(adapter)
+                except (FileNotFoundError, ValueError) as e:
+                    print(f"alfrl eval: {e}", file=sys.stderr)
+                    return 2
+            if sampler is None:
+                sampler = dm.connect(policy, deterministic=cfg.deterministic)
+            if adapter and not sampler.engine.shares_policy:
+                sampler.sync(policy)  # this adapter into the engine (unmerged by default), counted and probed; the last one out
+            code = _evaluate(sampler, dm, policy, cfg, games, adapter, adapter_file, Path(out), rank, world, args.overwrite)
+            if code:
+                return code
+    finally:
+        dm.close()
+    return 0
+
+
+def _evaluate(sampler, dm, policy, cfg, games: list, adapter: str | None, adapter_file: str | None, out: Path, rank: int,
+              world: int, overwrite: bool) -> int:
+    """The protocol on this rank's share of ``games`` with the adapter the engine serves now, into ``out`` (the ranks'
+    files merged by rank 0), and its summary printed and written beside it."""
+    part = out if world == 1 else out.with_name(f"{out.stem}.rank{rank}-of-{world}{out.suffix}")
     config = {
         "model_name": policy.hparams.model_name,
         "gguf_file": policy.hparams.gguf_file,
-        "adapter": str(Path(args.adapter).resolve()) if args.adapter else None,
+        "adapter": str(Path(adapter).resolve()) if adapter else None,
         "adapter_digest": _file_digest(adapter_file) if adapter_file else None,
         "engine": dm.engine_cfg.kind,
-        "weight_sync": dm.engine_cfg.weight_sync if args.adapter else None,
+        "weight_sync": dm.engine_cfg.weight_sync if adapter else None,
         # how many games run together changes no result (every request's seed is its own): a rerun may change it; whether the
         # engine was batch-invariant is recorded as it ran (the Sampler adds "deterministic")
         "protocol": {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("games_per_chunk", "max_live_games", "deterministic")},
@@ -158,17 +197,16 @@ def main(argv: list[str]) -> int:
     print(f"alfrl eval: {len(mine)} of {len(games)} games on rank {rank}/{world} ({', '.join(cfg.splits)}), "
           f"model {config['model_name']}, adapter {config['adapter'] or 'none'}, "
           f"{'deterministic' if sampler.deterministic else 'not deterministic (data.eval.deterministic: false)'}", file=sys.stderr)
-    try:
-        def progress(done: int, total: int) -> None:
-            if done % 10 == 0 or done == total:
-                print(f"  rank {rank}: {done}/{total} games", file=sys.stderr)
 
-        summary = sampler.evaluate(mine, part, config, cfg, overwrite=args.overwrite, on_game=progress)
+    def progress(done: int, total: int) -> None:
+        if done % 10 == 0 or done == total:
+            print(f"  rank {rank}: {done}/{total} games", file=sys.stderr)
+
+    try:
+        summary = sampler.evaluate(mine, part, config, cfg, overwrite=overwrite, on_game=progress)
     except EvalError as e:
         print(f"alfrl eval: {e}", file=sys.stderr)
         return 2
-    finally:
-        dm.close()
     if world > 1:
         import torch.distributed as dist
 

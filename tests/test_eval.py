@@ -1,5 +1,6 @@
 """alfrl eval (alfrl.evaluation, alfrl.evaluate_cli): exact summaries, resumable output, the walkthrough wins, the tiny model end
-to end (make eval, then alfrl report on its records), adapters checked before a model loads. Reports: test_report.py."""
+to end (make eval, then alfrl report on its records), adapters checked before a model loads, several adapters on one engine.
+Reports: test_report.py."""
 
 import json
 import os
@@ -211,6 +212,51 @@ def test_a_missing_adapter_is_one_line_before_any_model_loads(capfd):
     err = capfd.readouterr().err
     assert err.strip().splitlines() == ["alfrl eval: --adapter /no/such/path: no such file or folder: give a checkpoint folder "
                                         "(runs/NAME/checkpoints/last), its adapter/ folder or its trainer.ckpt"]
+
+
+def test_adapters_and_outputs_that_do_not_pair_are_one_line_each_before_any_model_loads(capfd, tmp_path):
+    from alfrl.cli import main
+
+    (tmp_path / "a").mkdir()
+    for argv, said in [(["--adapter", str(tmp_path / "a"), str(tmp_path / "a"), "--out", "x.jsonl"],
+                        ["alfrl eval: 1 --out files for 2 --adapters: give one .jsonl per adapter (one without --adapter), in the same order"]),
+                       (["--out", "x.jsonl", "y.jsonl"],
+                        ["alfrl eval: 2 --out files for no --adapters: give one .jsonl per adapter (one without --adapter), in the same order"]),
+                       (["--adapter", str(tmp_path / "a"), "/no/b", "--out", "x.jsonl", "./x.jsonl"],
+                        ["alfrl eval: --out names one file twice: give each adapter its own file",
+                         "alfrl eval: --adapter /no/b: no such file or folder: give a checkpoint folder (runs/NAME/checkpoints/last), "
+                         "its adapter/ folder or its trainer.ckpt"])]:
+        assert main(["eval", "--config", "recipes/tiny.yaml", *argv]) == 2
+        assert capfd.readouterr().err.strip().splitlines() == said
+
+
+def test_several_adapters_are_evaluated_by_one_engine_each_as_if_alone(tmp_path, data_dir, tiny_model_dir, policy, capfd, monkeypatch):
+    """`alfrl eval --adapter A B --out a.jsonl b.jsonl`: one model load and one engine, each file what an evaluation of its
+    adapter alone writes (B's games played identically), its header naming its own adapter."""
+    import torch
+
+    from alfrl.checkpoints import save_adapter
+    from alfrl.report import identical_games
+
+    save_adapter(policy.model, tmp_path / "a" / "adapter")
+    torch.manual_seed(1)
+    for name, param in policy.model.named_parameters():
+        if "lora_B" in name:
+            param.data.normal_(0, 0.5)  # far from A: the two play differently
+    save_adapter(policy.model, tmp_path / "b" / "adapter")
+    monkeypatch.setenv("ALFWORLD_DATA", data_dir)
+    common = ["eval", "--config", "recipes/tiny.yaml", "--model.model_name", tiny_model_dir, "--limit-per-split", "1"]
+    outs = [tmp_path / "a.jsonl", tmp_path / "b.jsonl", tmp_path / "b_alone.jsonl"]
+    proc = alfrl_here(capfd, *common, "--adapter", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(outs[0]), str(outs[1]))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc = alfrl_here(capfd, *common, "--adapter", str(tmp_path / "b"), "--out", str(outs[2]))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (ha, ga, sa), (hb, gb, sb), (hc, gc, sc) = (read_results(o) for o in outs)
+    assert [h["config"]["adapter"] for h in (ha, hb, hc)] == [str((tmp_path / n).resolve()) for n in ("a", "b", "b")]
+    assert ha["config"]["adapter_digest"] != hb["config"]["adapter_digest"] == hc["config"]["adapter_digest"]
+    assert identical_games(gc, gb) == {"games": 2, "identical": 2, "first_difference": {g["game_id"]: None for g in gc}, "outcome_changed": 0}
+    assert sb == sc and identical_games(ga, gb)["identical"] < 2  # B alone = B after A; A played otherwise
+    assert all(o.with_suffix(".summary.json").is_file() for o in outs)
 
 
 @pytest.mark.parametrize("problem,shown", [("rank", "has r=4 but model.lora.rank=8"), ("truncated", "is damaged: its header is cut short")])
