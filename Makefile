@@ -11,7 +11,8 @@ TORCH_CPU ?= torch==2.13.0
 SPLIT ?= all
 # `make eval` uses recipes/eval.yaml (the reference protocol) unless RECIPE is given
 EVAL_RECIPE := $(if $(filter command line environment,$(origin RECIPE)),$(RECIPE),recipes/eval.yaml)
-OUT ?= runs/eval/$(notdir $(basename $(EVAL_RECIPE)))$(if $(CKPT),-$(subst /,_,$(CKPT)),-base).jsonl
+# one file per checkpoint of CKPT (several, space-separated: one engine start evaluates them all), or one for the base model
+OUT ?= $(if $(CKPT),$(foreach c,$(CKPT),runs/eval/$(notdir $(basename $(EVAL_RECIPE)))-$(subst /,_,$(c)).jsonl),runs/eval/$(notdir $(basename $(EVAL_RECIPE)))-base.jsonl)
 export ALFWORLD_DATA := $(abspath $(DATA_DIR))
 
 .PHONY: setup test train eval bench data tiny-model clean
@@ -48,7 +49,7 @@ test: setup data tiny-model
 train: setup data tiny-model
 	$(ALFRL) fit --config $(RECIPE) $(ARGS)
 
-# make eval [RECIPE=...] [CKPT=runs/x/checkpoints/last] [SPLIT=all] [LIMIT=N] [OUT=file.jsonl] [OVERWRITE=1]
+# make eval [RECIPE=...] [CKPT="runs/x/checkpoints/last [more ...]"] [SPLIT=all] [LIMIT=N] [OUT="file.jsonl [one per CKPT]"] [OVERWRITE=1]
 eval: setup data tiny-model
 	$(ALFRL) eval --config $(EVAL_RECIPE) $(if $(CKPT),--adapter $(CKPT)) --split $(SPLIT) \
 		$(if $(LIMIT),--limit-per-split $(LIMIT)) --out $(OUT) $(if $(OVERWRITE),--overwrite) $(ARGS)

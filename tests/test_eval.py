@@ -230,6 +230,14 @@ def test_adapters_and_outputs_that_do_not_pair_are_one_line_each_before_any_mode
         assert capfd.readouterr().err.strip().splitlines() == said
 
 
+def test_make_eval_of_several_checkpoints_gives_each_its_own_file():
+    proc = subprocess.run(["make", "-n", "eval", "CKPT=runs/x/checkpoints/step-000010 runs/x/checkpoints/last"], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+    line = " ".join(proc.stdout.replace("\\\n", " ").split())
+    assert proc.returncode == 0 and ("--adapter runs/x/checkpoints/step-000010 runs/x/checkpoints/last" in line), proc.stdout + proc.stderr
+    assert "--out runs/eval/eval-runs_x_checkpoints_step-000010.jsonl runs/eval/eval-runs_x_checkpoints_last.jsonl" in line
+
+
 def test_several_adapters_are_evaluated_by_one_engine_each_as_if_alone(tmp_path, data_dir, tiny_model_dir, policy, capfd, monkeypatch):
     """`alfrl eval --adapter A B --out a.jsonl b.jsonl`: one model load and one engine, each file what an evaluation of its
     adapter alone writes (B's games played identically), its header naming its own adapter."""
