@@ -171,6 +171,8 @@ def main(argv: list[str]) -> int:
                 return code
     finally:
         dm.close()
+    if len(args.out) > 1 and rank == 0:
+        print(f"\ncompare them: alfrl report {' '.join(args.out)} --out reports/eval")
     return 0
 
 

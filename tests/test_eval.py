@@ -257,6 +257,7 @@ def test_several_adapters_are_evaluated_by_one_engine_each_as_if_alone(tmp_path,
     outs = [tmp_path / "a.jsonl", tmp_path / "b.jsonl", tmp_path / "b_alone.jsonl"]
     proc = alfrl_here(capfd, *common, "--adapter", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(outs[0]), str(outs[1]))
     assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"compare them: alfrl report {outs[0]} {outs[1]} --out reports/eval" in proc.stdout
     proc = alfrl_here(capfd, *common, "--adapter", str(tmp_path / "b"), "--out", str(outs[2]))
     assert proc.returncode == 0, proc.stderr[-2000:]
     (ha, ga, sa), (hb, gb, sb), (hc, gc, sc) = (read_results(o) for o in outs)
