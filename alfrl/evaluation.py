@@ -24,7 +24,7 @@ from pathlib import Path
 
 from alfrl.games import EVAL_SPLITS, SPLITS, Game, discover_games
 from alfrl.rollout import RolloutConfig, RolloutRunner
-from alfrl.types import Trajectory, TrajectoryGroup
+from alfrl.types import Trajectory, TrajectoryGroup, repeated_turns
 
 
 class EvalError(RuntimeError):
@@ -192,6 +192,15 @@ def task_type_wins(summary: dict) -> dict[str, tuple[int, int]]:
             wins, games = out.get(task, (0, 0))
             out[task] = (wins + v["wins"], games + v["games"])
     return dict(sorted(out.items()))
+
+
+def game_repeats(game: dict) -> tuple[int, int] | None:
+    """``alfrl.types.repeated_turns`` of one game record; None when a turn's ``state_key`` or action is missing or not a
+    string (records written before it existed)."""
+    turns = [t for t in game.get("turns", []) if t.get("action")]
+    if any(not isinstance(t.get("state_key"), str) or not isinstance(t["action"], str) for t in turns):
+        return None  # written before turns had a state_key, or not by alfrl: no loop count rather than a wrong one
+    return repeated_turns((t["state_key"], t["action"]) for t in turns)
 
 
 def percent(x: float | None) -> str:

@@ -21,9 +21,9 @@ import sys
 from pathlib import Path
 
 from alfrl.curves import eval_markdown, eval_outputs, eval_rows, log_records, start_row, training_markdown, training_outputs, training_rows
-from alfrl.evaluation import EvalError, percent, read_results, read_summary, summarize, task_type_wins
+from alfrl.evaluation import EvalError, game_repeats, percent, read_results, read_summary, summarize, task_type_wins
 from alfrl.games import EVAL_SPLITS, TASK_TYPES
-from alfrl.types import repeated_turns
+from alfrl.types import STOP_REASONS
 
 
 def _delta(x: float | None, base: float | None) -> str:
@@ -143,15 +143,6 @@ def paired_markdown(runs: list[tuple[str, dict, list[dict]]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def game_repeats(game: dict) -> tuple[int, int] | None:
-    """``alfrl.types.repeated_turns`` of one game record; None when a turn's ``state_key`` or action is missing or not a
-    string (records written before it existed)."""
-    turns = [t for t in game.get("turns", []) if t.get("action")]
-    if any(not isinstance(t.get("state_key"), str) or not isinstance(t["action"], str) for t in turns):
-        return None  # written before turns had a state_key, or not by alfrl: no loop count rather than a wrong one
-    return repeated_turns((t["state_key"], t["action"]) for t in turns)
-
-
 def _repeat_share(games: list[dict]) -> str:
     counts = [game_repeats(g) for g in games]
     if not counts or any(c is None for c in counts):
@@ -163,8 +154,6 @@ def _repeat_share(games: list[dict]) -> str:
 def endings_markdown(runs: list[tuple[str, dict, list[dict] | None]]) -> str:
     """How each run's games ended (the rollout's stop reasons), what the lost games spent, and the share of turns that
     repeat an earlier action in the same state (loops), overall and per task type ("" without records)."""
-    from alfrl.types import STOP_REASONS
-
     runs = [(name, games) for name, _, games in runs if games is not None]
     if not runs:
         return ""
@@ -174,9 +163,8 @@ def endings_markdown(runs: list[tuple[str, dict, list[dict] | None]]) -> str:
     for name, games in runs:
         lost = [g for g in games if not g["won"]]
         ends = [sum(g.get("stop_reason") == reason for g in games) for reason in STOP_REASONS]
-        mean = (lambda key: f"{sum(g[key] for g in lost) / len(lost):.2f}") if lost else (lambda key: "-")  # noqa: E731
-        lines.append(f"| {name} | {len(games)} | " + " | ".join(map(str, ends)) +
-                     f" | {mean('steps')} | {mean('invalid_actions')} | {_repeat_share(games)} |")
+        spent = [f"{sum(g[key] for g in lost) / len(lost):.2f}" if lost else "-" for key in ("steps", "invalid_actions")]
+        lines.append(f"| {name} | {len(games)} | " + " | ".join(map(str, [*ends, *spent])) + f" | {_repeat_share(games)} |")
     lines += ["", "Stop reasons: max_steps, the episode's step limit; trajectory_too_long, the token budget (the next prompt "
               "would not have fit); env_done, the environment ended the game; env_error, its worker failed. Repeated turns: "
               "turns whose action was already taken earlier in the same game in the same state (the same observation and "

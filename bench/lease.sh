@@ -38,7 +38,7 @@
 # the bit"); det_a alone ~4.5 min on an H100 (2026-12-07e: its batch-invariant engine compiles, 173 s to start, which the
 # learning run's compile cache does not hold; then ~80 s of games); fits: 3-update fits of recipes/rl_qwen15b_grpo.yaml at 4 games x 8, 20 steps, data.rollout.deterministic true
 # twice (rollouts and adapters hashed), false, and true with torch's deterministic algorithms, warn_only (FITS="..." picks); learn: the learning run of that recipe (issue "Learning at scale") until UNTIL_S seconds after `start`
-# (ARM=gigpo: the GiGPO arm in its own folder; its last adapter shipped; with learneval in LANES it stops EVAL_RESERVE_S, default 400 (300 with a staged warm start), earlier); learneval: that adapter's
+# (ARM=gigpo: the GiGPO arm in its own folder; its last adapter shipped; with learneval in LANES it stops EVAL_RESERVE_S, default 400 (300 when learneval evaluates no warm start), earlier); learneval: that adapter's
 # 274-game deterministic evaluation and, in the same process, the warm start's if this machine made it (records and summaries shipped; LEARNEVAL_WARMSTART=0: the adapter alone); sftspeed: alfrl sft's speed (SFTSPEED="recipe plain compiled", also expandable and rows4096 (the update's row size), SFTSPEED_STEPS=8; the way `profiled`: the recipe under Lightning's PyTorchProfiler, its table in results); sftrows: bench/sft_rows.py (a warm-start batch: attention loop, fused varlen, unpacked; ~2 min); updateprof: the learning run's update alone, profiled (~6 min a run); recipefit: 4 updates of recipes/qwen15b_coder_h200.yaml from the base model, as its earlier fits (~4 min); q35drift: the reference recipe on a random Qwen3.5-4B with CUDA graphs, 2 updates a variant (Q35DRIFT="graphs bf16state noprefix nosleep sepcore fulldecode piecewise eager"); probe: bench/stale_memory_probe.py or bench/sleep_probe.py on a random Qwen3.5-4B (PROBE, PROBE_VARIANTS, PROBE_LAYERS). SFT_STEPS=N: a shorter warm start; EVALS="det_a det_b": those evaluations only.
 # DRY=1 runs the same lanes on this CPU with the tiny model (hf engine, 2 games a split) to check them before a lease.
 set -uo pipefail
@@ -331,7 +331,7 @@ probe() {  # bench/stale_memory_probe.py (PROBE=stale, the default: does the eng
 learn() {  # the learning run, stopped by max_time (or at update UPTO); it goes on from its arm's newest checkpoint: one staged
   # by `stage .gpu-resume/${LD}_stepN/...` (the folder's name starts with the run's folder, learn_stepN or learn_gigpo_stepN),
   # used once, or else the one an earlier `start` on this machine saved in $RUN/$LD
-  local reserve=0; case " $LANES " in *" learneval "*) reserve=${EVAL_RESERVE_S:-$( [ -d /tmp/adapter-stage ] && echo 300 || echo 400 )} ;; esac
+  local reserve=0; case " $LANES " in *" learneval "*) reserve=${EVAL_RESERVE_S:-$(learneval_warmstart && echo 400 || echo 300)} ;; esac
   # Lightning's Timer counts from the start of training, not from the process's start (model, engine, CUDA graphs: 150-200 s,
   # LEARN_START_S; 2026-12-07d ran ~3 min past UNTIL without it), and one update and a save follow the time (100 s)
   local left=$(( ${UNTIL:-0} - $(date +%s) - 100 - ${LEARN_START_S:-180} - reserve ))
@@ -387,12 +387,16 @@ ship_compile_cache() {  # vLLM's, inductor's and Triton's caches after the first
   [ "$size" -le $(( 56 * 1024 * 1024 )) ] && ship "$W/compile_cache.tgz" d_compile_cache.tgz || log "compile cache: $size bytes, not shipped"; true
 }
 
+learneval_warmstart() {  # whether learneval evaluates the warm start too: one made on this machine (a staged one has its records)
+  [ "${LEARNEVAL_WARMSTART:-1}" = 1 ] && [ ! -d /tmp/adapter-stage ] && [ "$LANES" != "${LANES/warmstart/}" ]
+}
+
 learneval() {  # the learning run's last adapter, the 274 games deterministic; with it, in the same process (one engine start,
   # ~90 s more of games), the warm start made on this machine (not one staged: its records exist), so the two pair exactly
   local last; last=$(last_step "$RUN/$LD/checkpoints") || { log "learneval: no learn checkpoint"; return 1; }
   local name=${LD}_$(basename "$last") adapters outs
   adapters=("$last"); outs=("$RUN/$name.jsonl")
-  if [ "${LEARNEVAL_WARMSTART:-1}" = 1 ] && [ ! -d /tmp/adapter-stage ] && [ -e "$RUN/sft/checkpoints/last" ]; then
+  if learneval_warmstart && [ -e "$RUN/sft/checkpoints/last" ]; then
     adapters+=("$RUN/sft/checkpoints/last"); outs+=("$RUN/warmstart_det_a.jsonl")
   fi
   timed "eval_$name" "${ALFRL[@]}" eval --config "$LEARN" "${MODEL[@]}" --adapter "${adapters[@]}" "${EVAL[@]}" --out "${outs[@]}"

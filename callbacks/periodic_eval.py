@@ -6,8 +6,8 @@ from pathlib import Path
 
 import lightning as L
 
-from alfrl.evaluation import results_header, summarize, task_type_wins, write_results
-from alfrl.types import STOP_REASONS, repeated_turns
+from alfrl.evaluation import game_repeats, results_header, summarize, task_type_wins, write_results
+from alfrl.types import STOP_REASONS
 
 
 class PeriodicEval(L.Callback):
@@ -44,7 +44,7 @@ class PeriodicEval(L.Callback):
             metrics[f"eval/{split}/success_rate"] = float(block["success_rate"])
         for task, (wins, games) in task_type_wins(summary).items():  # all splits pooled: a collapsing task type shows early
             metrics[f"eval/task/{task}/success_rate"] = wins / games
-        repeats = [repeated_turns((t.get("state_key", ""), t.get("action")) for t in r["turns"])[0] for r in records]
+        repeats = [(game_repeats(r) or (0, 0))[0] for r in records]  # this engine's records: every turn has its state_key
         metrics["eval/repeated_turns_mean"] = sum(repeats) / max(len(repeats), 1)  # loops a game, as rollout/repeated_turns_mean
         for reason in STOP_REASONS:  # how the games ended, as rollout/stop/*: won, out of steps, out of tokens, ...
             metrics[f"eval/stop/{reason}"] = sum(r.get("stop_reason") == reason for r in records) / max(len(records), 1)

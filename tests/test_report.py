@@ -168,7 +168,8 @@ def test_a_game_record_without_the_fields_of_a_summary_is_one_line_naming_it(tmp
 def test_report_says_how_games_ended_and_counts_loops_as_the_same_action_in_the_same_state():
     """Stop reasons per run, what the lost games spent, and repeated turns: an action taken again in the same state is a
     loop, the same action in another state is not; records without ``state_key`` (written before it) show '-'."""
-    from alfrl.report import endings_markdown, game_repeats
+    from alfrl.evaluation import game_repeats
+    from alfrl.report import endings_markdown
 
     def turn(state, action):
         return {"valid_format": True, "admissible": True, "state_key": state, "action": action}
